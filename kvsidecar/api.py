@@ -1,0 +1,248 @@
+"""The hook API (docs/PRODUCT.md): a thin FastAPI adapter over the coordinator.
+
+Every route but `/healthz` needs `Authorization: Bearer <token>` when a token is configured. Errors are
+`{"error": {"code", "message", "hint"}}` with the stable codes of `kvsidecar.errors`, whose `HTTP_STATUS` is
+the only code -> status mapping. Bodies are capped (`api.max_body_bytes`); on a loopback listener the Host
+header must name a loopback host (a DNS-rebinding page cannot reach us).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Path, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvsidecar import __version__
+from kvsidecar.coordinator.core import Coordinator, EventType, ReleaseStatus
+from kvsidecar.errors import (
+    BadRequest,
+    KvError,
+    NotFound,
+    PayloadTooLarge,
+    SlotBusy,
+    Unauthorized,
+    http_status,
+)
+from kvsidecar.store.naming import validate_session_id
+
+SessionIdPath = Annotated[str, Path(min_length=1, max_length=128, description="opaque harness session id")]
+LeaseIdPath = Annotated[str, Path(min_length=1, max_length=64)]
+_Label = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class AcquireBody(_Body):
+    provider: _Label
+    model: _Label
+    purpose: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    seq: Annotated[int, Field(ge=0)] | None = None
+
+
+class ReleaseBody(_Body):
+    status: ReleaseStatus
+    prompt_tokens: Annotated[int, Field(ge=0)] | None = None
+    cached_tokens: Annotated[int, Field(ge=0)] | None = None
+
+
+class EventBody(_Body):
+    type: EventType
+    seq: Annotated[int, Field(ge=0)] | None = None
+
+
+def error_response(exc: KvError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if isinstance(exc, SlotBusy) else None
+    return JSONResponse({"error": exc.to_dict()}, status_code=http_status(exc), headers=headers)
+
+
+class BodyLimit:
+    """Pure ASGI middleware: refuse bodies over `max_bytes`, whether announced or streamed."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = PayloadTooLarge(f"request body is over {self.max_bytes} bytes")
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await error_response(too_large)(scope, receive, send)
+                return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise too_large
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _loopback_host(host_header: str) -> bool:
+    host = host_header.rsplit(":", 1)[0] if not host_header.endswith("]") else host_header
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def create_app(
+    coordinator: Coordinator,
+    *,
+    token: str | None = None,
+    max_body_bytes: int = 64 * 1024,
+    check_host: bool = True,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+) -> FastAPI:
+    app = FastAPI(
+        title="kvsidecar",
+        version=__version__,
+        description="KV-cache persistence for llama-server",
+        lifespan=lifespan,
+    )
+    app.state.coordinator = coordinator
+    _install_guards(app, token=token, check_host=check_host)
+    _install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    _install_routes(app, coordinator)
+    return app
+
+
+def _install_guards(app: FastAPI, *, token: str | None, check_host: bool) -> None:
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if check_host and not _loopback_host(request.headers.get("host", "")):
+            return error_response(
+                BadRequest("Host header must name a loopback address", hint="DNS rebinding guard")
+            )
+        if token is not None and request.url.path != "/healthz":
+            sent = request.headers.get("authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+                return error_response(Unauthorized("missing or wrong bearer token"))
+        try:
+            return await call_next(request)
+        except KvError as exc:  # raised by BodyLimit while the route read the body
+            return error_response(exc)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(KvError)
+    async def kv_error(_: Request, exc: KvError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        return error_response(BadRequest(f"{where}: {err.get('msg')}" if where else str(err.get("msg"))))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return error_response(NotFound("no such route"))
+        code = "KV_METHOD_NOT_ALLOWED" if exc.status_code == 405 else "KV_BAD_REQUEST"
+        return JSONResponse(
+            {"error": {"code": code, "message": str(exc.detail), "hint": ""}}, exc.status_code
+        )
+
+
+def _install_routes(app: FastAPI, coordinator: Coordinator) -> None:
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok", "version": __version__}
+
+    @app.post("/v1/sessions/{session_id}/acquire")
+    async def acquire(session_id: SessionIdPath, body: AcquireBody) -> dict[str, Any]:
+        result = await coordinator.acquire(
+            validate_session_id(session_id),
+            provider=body.provider,
+            model=body.model,
+            purpose=body.purpose,
+            seq=body.seq,
+        )
+        return result.to_dict()
+
+    @app.post("/v1/acquire")
+    async def acquire_auxiliary(body: AcquireBody) -> dict[str, Any]:
+        """An auxiliary request with no session (titles, compaction): it never becomes a session's state."""
+        result = await coordinator.acquire(
+            None, provider=body.provider, model=body.model, purpose=body.purpose
+        )
+        return result.to_dict()
+
+    @app.post("/v1/leases/{lease_id}/release")
+    async def release(lease_id: LeaseIdPath, body: ReleaseBody) -> dict[str, Any]:
+        return await coordinator.release(
+            lease_id, status=body.status, prompt_tokens=body.prompt_tokens, cached_tokens=body.cached_tokens
+        )
+
+    @app.post("/v1/sessions/{session_id}/events")
+    async def session_event(session_id: SessionIdPath, body: EventBody) -> dict[str, Any]:
+        return await coordinator.session_event(validate_session_id(session_id), body.type, seq=body.seq)
+
+    @app.post("/v1/sessions/{session_id}/save")
+    async def save(session_id: SessionIdPath) -> dict[str, Any]:
+        return await coordinator.save(validate_session_id(session_id))
+
+    @app.post("/v1/sessions/{session_id}/restore")
+    async def restore(session_id: SessionIdPath, body: AcquireBody) -> dict[str, Any]:
+        """Bring a session into its slot now (normally restores are lazy, on the first acquire)."""
+        result = await coordinator.acquire(
+            validate_session_id(session_id), provider=body.provider, model=body.model
+        )
+        if result.lease_id is not None:
+            await coordinator.release(result.lease_id, status="aborted")
+        out = result.to_dict()
+        out.pop("lease_id", None)
+        return out
+
+    @app.post("/v1/sessions/{session_id}/invalidate")
+    async def invalidate(session_id: SessionIdPath) -> dict[str, Any]:
+        return await coordinator.invalidate(validate_session_id(session_id))
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def purge(session_id: SessionIdPath) -> dict[str, Any]:
+        return await coordinator.purge(validate_session_id(session_id))
+
+    _install_view_routes(app, coordinator)
+
+
+def _install_view_routes(app: FastAPI, coordinator: Coordinator) -> None:
+    @app.get("/v1/sessions")
+    async def sessions() -> dict[str, Any]:
+        return {"sessions": coordinator.session_views()}
+
+    @app.get("/v1/sessions/{session_id}")
+    async def session(session_id: SessionIdPath) -> dict[str, Any]:
+        views = coordinator.session_views(validate_session_id(session_id))
+        if not views:
+            raise NotFound("no such session")
+        return {"session": views}
+
+    @app.get("/v1/status")
+    async def status() -> dict[str, Any]:
+        return coordinator.status()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(coordinator.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

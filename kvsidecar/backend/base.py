@@ -1,0 +1,75 @@
+"""The backend interface (spec §12). The coordinator talks to a KV engine only through this.
+
+Core code never builds a `/slots` URL: a backend turns these calls into its engine's API and converts every
+transport failure into a `kvsidecar.errors.BackendError` subclass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendCapabilities:
+    kind: str
+    alive: bool
+    slots_endpoint: bool
+    total_slots: int
+    n_ctx: int | None
+    model_path: str | None
+    build_info: str | None
+    props: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendSlot:
+    id: int
+    n_ctx: int | None
+    is_processing: bool
+    n_tokens: int | None = None  # tokens cached in the slot, when the build reports it
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveResult:
+    slot_id: int
+    filename: str
+    tokens: int
+    bytes_written: int
+    server_ms: float | None
+    measured_ms: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreResult:
+    slot_id: int
+    filename: str
+    tokens: int
+    bytes_read: int
+    server_ms: float | None
+    measured_ms: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class EraseResult:
+    slot_id: int
+    tokens: int
+    measured_ms: float
+
+
+class KvBackend(Protocol):
+    """What the coordinator needs from an engine. Every method raises only `BackendError` subclasses."""
+
+    kind: str
+
+    async def probe(self) -> BackendCapabilities: ...
+
+    async def inspect_slots(self) -> list[BackendSlot]: ...
+
+    async def save_slot(self, slot_id: int, filename: str) -> SaveResult: ...
+
+    async def restore_slot(self, slot_id: int, filename: str) -> RestoreResult: ...
+
+    async def erase_slot(self, slot_id: int) -> EraseResult: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,248 @@
+"""`FakeKvBackend`: a deterministic in-process engine with failure injection (spec §77), for unit tests.
+
+It keeps each slot's cached tokens in memory and writes real snapshot files in llama-server's layout
+(u32 magic "ggsq", u32 version, u32 token count, then the tokens), so the snapshot store's size, header and
+checksum checks run against it unchanged. `infer()` models the engine's prefix reuse, returning
+(prompt_n, cache_n) as llama-server's `timings` would. Every management call is recorded in `calls`.
+Like the real server, restoring a truncated file "crashes" it: the fake becomes unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvsidecar.backend.base import (
+    BackendCapabilities,
+    BackendSlot,
+    EraseResult,
+    RestoreResult,
+    SaveResult,
+)
+from kvsidecar.errors import (
+    BackendUnavailable,
+    EraseFailed,
+    OperationTimeout,
+    RestoreFailed,
+    SaveFailed,
+    SlotNotFound,
+)
+
+MAGIC = 0x67677371
+VERSION = 4
+_HEADER = struct.Struct("<III")
+
+
+@dataclass
+class _Knobs:
+    fail_saves: int = 0
+    fail_restores: int = 0
+    fail_erases: int = 0
+    save_delay_s: float = 0.0
+    restore_delay_s: float = 0.0
+    # A restore that answers 200 but leaves nothing usable (what SWA models without --swa-full do).
+    restore_reuses_nothing: bool = False
+    unavailable: bool = False
+    hang_s: float | None = None  # every call times out after this
+
+
+@dataclass
+class _Slot:
+    tokens: list[int] = field(default_factory=list)
+    is_processing: bool = False
+
+
+class FakeKvBackend:
+    kind = "fake"
+
+    def __init__(
+        self,
+        snapshot_dir: Path,
+        *,
+        total_slots: int = 1,
+        n_ctx: int = 4096,
+        model_path: str = "/models/fake.gguf",
+        build_info: str = "fake-1",
+        bytes_per_token: int = 64,
+    ) -> None:
+        self.snapshot_dir = Path(snapshot_dir)
+        self.slots = [_Slot() for _ in range(total_slots)]
+        self.n_ctx = n_ctx
+        self.model_path = model_path
+        self.build_info = build_info
+        self.bytes_per_token = bytes_per_token
+        self.knobs = _Knobs()
+        self.calls: list[tuple[str, int, str | None]] = []
+        self.crashed = False
+
+    # failure injection (spec §77) -------------------------------------------------------------------
+    def fail_next_save(self, times: int = 1) -> None:
+        self.knobs.fail_saves += times
+
+    def fail_next_restore(self, times: int = 1) -> None:
+        self.knobs.fail_restores += times
+
+    def fail_next_erase(self, times: int = 1) -> None:
+        self.knobs.fail_erases += times
+
+    def delay_restore(self, ms: float) -> None:
+        self.knobs.restore_delay_s = ms / 1000.0
+
+    def delay_save(self, ms: float) -> None:
+        self.knobs.save_delay_s = ms / 1000.0
+
+    def set_unavailable(self, unavailable: bool = True) -> None:
+        self.knobs.unavailable = unavailable
+
+    def remove_snapshot(self, filename: str) -> None:
+        (self.snapshot_dir / filename).unlink(missing_ok=True)
+
+    def corrupt_snapshot(self, filename: str) -> None:
+        path = self.snapshot_dir / filename
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    def truncate_snapshot(self, filename: str) -> None:
+        path = self.snapshot_dir / filename
+        path.write_bytes(path.read_bytes()[: max(1, path.stat().st_size // 2)])
+
+    def restart(self) -> None:
+        """A server restart: every slot comes back empty."""
+        self.slots = [_Slot() for _ in self.slots]
+        self.crashed = False
+        self.knobs.unavailable = False
+
+    # the engine ----------------------------------------------------------------------------------------
+    def infer(self, slot_id: int, prompt: list[int]) -> tuple[int, int]:
+        """Process `prompt` on a slot; returns (prompt_n computed, cache_n reused) like llama-server."""
+        self._gate()
+        slot = self.slots[slot_id]
+        common = 0
+        for a, b in zip(slot.tokens, prompt, strict=False):
+            if a != b:
+                break
+            common += 1
+        # llama-server always recomputes at least the last prompt token.
+        common = min(common, max(0, len(prompt) - 1))
+        slot.tokens = list(prompt)
+        return len(prompt) - common, common
+
+    def slot_tokens(self, slot_id: int) -> list[int]:
+        return list(self.slots[slot_id].tokens)
+
+    # the interface ------------------------------------------------------------------------------------
+    def _gate(self) -> None:
+        if self.crashed or self.knobs.unavailable:
+            raise BackendUnavailable("fake backend is unavailable")
+
+    async def _maybe_hang(self) -> None:
+        if self.knobs.hang_s is not None:
+            await asyncio.sleep(self.knobs.hang_s)
+            raise OperationTimeout("fake backend timed out")
+
+    def _slot(self, slot_id: int) -> _Slot:
+        if not 0 <= slot_id < len(self.slots):
+            raise SlotNotFound(f"slot {slot_id} does not exist")
+        return self.slots[slot_id]
+
+    async def probe(self) -> BackendCapabilities:
+        self._gate()
+        await self._maybe_hang()
+        return BackendCapabilities(
+            kind=self.kind,
+            alive=True,
+            slots_endpoint=True,
+            total_slots=len(self.slots),
+            n_ctx=self.n_ctx,
+            model_path=self.model_path,
+            build_info=self.build_info,
+            props={
+                "model_path": self.model_path,
+                "build_info": self.build_info,
+                "total_slots": len(self.slots),
+            },
+        )
+
+    async def inspect_slots(self) -> list[BackendSlot]:
+        self._gate()
+        await self._maybe_hang()
+        return [
+            BackendSlot(id=i, n_ctx=self.n_ctx, is_processing=s.is_processing, n_tokens=len(s.tokens))
+            for i, s in enumerate(self.slots)
+        ]
+
+    async def save_slot(self, slot_id: int, filename: str) -> SaveResult:
+        self._gate()
+        self.calls.append(("save", slot_id, filename))
+        await self._maybe_hang()
+        slot = self._slot(slot_id)
+        started = time.perf_counter()
+        if self.knobs.save_delay_s:
+            await asyncio.sleep(self.knobs.save_delay_s)
+        if self.knobs.fail_saves:
+            self.knobs.fail_saves -= 1
+            raise SaveFailed(f"save slot {slot_id}: injected failure")
+        payload = b"".join(struct.pack("<I", t) for t in slot.tokens)
+        pad = b"\0" * max(0, self.bytes_per_token - 4) * len(slot.tokens)
+        data = _HEADER.pack(MAGIC, VERSION, len(slot.tokens)) + payload + pad
+        (self.snapshot_dir / filename).write_bytes(data)
+        return SaveResult(
+            slot_id=slot_id,
+            filename=filename,
+            tokens=len(slot.tokens),
+            bytes_written=len(data),
+            server_ms=0.1,
+            measured_ms=(time.perf_counter() - started) * 1000,
+        )
+
+    async def restore_slot(self, slot_id: int, filename: str) -> RestoreResult:
+        self._gate()
+        self.calls.append(("restore", slot_id, filename))
+        await self._maybe_hang()
+        slot = self._slot(slot_id)
+        started = time.perf_counter()
+        if self.knobs.restore_delay_s:
+            await asyncio.sleep(self.knobs.restore_delay_s)
+        if self.knobs.fail_restores:
+            self.knobs.fail_restores -= 1
+            raise RestoreFailed(f"restore slot {slot_id}: injected failure")
+        path = self.snapshot_dir / filename
+        if not path.exists():
+            slot.tokens = []  # what llama-server does to a used slot when the file is missing
+            raise RestoreFailed(f"restore slot {slot_id}: HTTP 400 Unable to restore slot")
+        data = path.read_bytes()
+        magic, version, n = _HEADER.unpack_from(data) if len(data) >= _HEADER.size else (0, 0, 0)
+        if magic != MAGIC or version != VERSION:
+            raise RestoreFailed(f"restore slot {slot_id}: HTTP 400 Unable to restore slot")
+        if len(data) < _HEADER.size + 4 * n:
+            self.crashed = True  # GGML_ASSERT(nread <= state_size): the whole server is gone
+            raise BackendUnavailable("fake llama-server aborted while restoring a truncated file")
+        tokens = list(struct.unpack_from(f"<{n}I", data, _HEADER.size))
+        slot.tokens = [] if self.knobs.restore_reuses_nothing else tokens
+        return RestoreResult(
+            slot_id=slot_id,
+            filename=filename,
+            tokens=n,
+            bytes_read=len(data),
+            server_ms=0.1,
+            measured_ms=(time.perf_counter() - started) * 1000,
+        )
+
+    async def erase_slot(self, slot_id: int) -> EraseResult:
+        self._gate()
+        self.calls.append(("erase", slot_id, None))
+        await self._maybe_hang()
+        slot = self._slot(slot_id)
+        if self.knobs.fail_erases:
+            self.knobs.fail_erases -= 1
+            raise EraseFailed(f"erase slot {slot_id}: injected failure")
+        n = len(slot.tokens)
+        slot.tokens = []
+        return EraseResult(slot_id=slot_id, tokens=n, measured_ms=0.01)
+
+    async def aclose(self) -> None:
+        return None

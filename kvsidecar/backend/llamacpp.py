@@ -1,0 +1,255 @@
+"""`LlamaCppBackend`: the backend interface over llama-server's HTTP API, with httpx.
+
+This module is the only place that knows llama-server's routes and the only place that sees httpx
+exceptions: every failure leaves it as a `BackendError` subclass with a stable code. Responses are read
+defensively because their schema moves between llama.cpp builds.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from kvsidecar.backend.base import (
+    BackendCapabilities,
+    BackendSlot,
+    EraseResult,
+    RestoreResult,
+    SaveResult,
+)
+from kvsidecar.errors import (
+    BackendError,
+    BackendUnavailable,
+    BackendUnsupported,
+    EraseFailed,
+    OperationTimeout,
+    RestoreFailed,
+    SaveFailed,
+    SlotNotFound,
+)
+
+# Names we send are our own opaque digests; this is a second fence after kvsidecar.store.naming.
+_SAFE_FILENAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+Action = Literal["save", "restore", "erase"]
+_FAILURE: dict[Action, type[BackendError]] = {
+    "save": SaveFailed,
+    "restore": RestoreFailed,
+    "erase": EraseFailed,
+}
+
+
+def _int(value: Any, default: int | None = None) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _float(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:200] or response.reason_phrase
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return str(body["error"].get("message", ""))[:300]
+    return str(body)[:200]
+
+
+class LlamaCppBackend:
+    """One llama-server. Save/restore use `persist_timeout_s`; everything else the short request bound."""
+
+    kind = "llama.cpp"
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        api_key: str | None = None,
+        connect_timeout_s: float = 2.0,
+        request_timeout_s: float = 10.0,
+        persist_timeout_s: float = 120.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = base_url.rstrip("/")
+        self._request_timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
+        self._persist_timeout = httpx.Timeout(persist_timeout_s, connect=connect_timeout_s)
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, timeout=self._request_timeout, transport=transport
+        )
+        # Slot ids that GET /slots last reported; llama-server itself accepts ids it does not have.
+        self._slot_ids: frozenset[int] | None = None
+
+    @classmethod
+    def from_config(cls, server: Any) -> LlamaCppBackend:
+        api_key = None
+        if server.api_key_file is not None:
+            api_key = Path(server.api_key_file).read_text(encoding="utf-8").strip() or None
+        return cls(
+            base_url=server.base_url,
+            api_key=api_key,
+            connect_timeout_s=server.connect_timeout_s,
+            request_timeout_s=server.request_timeout_s,
+            persist_timeout_s=server.persist_timeout_s,
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        what: str,
+        failure: type[BackendError] = BackendUnavailable,
+        json_body: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+        timeout: httpx.Timeout | None = None,
+    ) -> Any:
+        try:
+            response = await self._client.request(
+                method, path, json=json_body, params=params, timeout=timeout or self._request_timeout
+            )
+        except httpx.TimeoutException as exc:
+            raise OperationTimeout(
+                f"{what}: llama-server did not answer in time ({type(exc).__name__})"
+            ) from exc
+        except httpx.HTTPError as exc:
+            raise BackendUnavailable(
+                f"{what}: cannot reach llama-server at {self.base_url} ({exc!s})"
+            ) from exc
+        if response.status_code == 501:
+            raise BackendUnsupported(f"{what}: {_error_message(response)}")
+        if response.status_code >= 500 and failure is BackendUnavailable:
+            raise BackendUnavailable(f"{what}: HTTP {response.status_code} {_error_message(response)}")
+        if response.status_code >= 400:
+            raise failure(f"{what}: HTTP {response.status_code} {_error_message(response)}")
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise BackendUnavailable(
+                f"{what}: llama-server answered with something that is not JSON"
+            ) from exc
+
+    async def health(self) -> bool:
+        """True when /health says ok (the model is loaded); False while loading or unreachable."""
+        try:
+            response = await self._client.get("/health")
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def probe(self) -> BackendCapabilities:
+        props = await self._request("GET", "/props", what="probe /props")
+        props = props if isinstance(props, dict) else {}
+        try:
+            slots = await self.inspect_slots()
+            slots_endpoint = True
+        except BackendUnsupported:
+            slots, slots_endpoint = [], False
+        settings = props.get("default_generation_settings")
+        n_ctx = _int(settings.get("n_ctx")) if isinstance(settings, dict) else None
+        model_path = props.get("model_path")
+        build_info = props.get("build_info")
+        return BackendCapabilities(
+            kind=self.kind,
+            alive=True,
+            slots_endpoint=slots_endpoint,
+            total_slots=_int(props.get("total_slots"), len(slots)) or len(slots),
+            n_ctx=n_ctx if n_ctx is not None else (slots[0].n_ctx if slots else None),
+            model_path=model_path if isinstance(model_path, str) else None,
+            build_info=build_info if isinstance(build_info, str) else None,
+            props=props,
+        )
+
+    async def inspect_slots(self) -> list[BackendSlot]:
+        data = await self._request("GET", "/slots", what="inspect /slots")
+        if not isinstance(data, list):
+            raise BackendUnavailable("inspect /slots: expected a JSON list")
+        slots = []
+        for item in data:
+            if not isinstance(item, dict) or _int(item.get("id")) is None:
+                continue
+            n_tokens = _int(item.get("n_prompt_tokens"), _int(item.get("n_past")))
+            slots.append(
+                BackendSlot(
+                    id=int(item["id"]),
+                    n_ctx=_int(item.get("n_ctx")),
+                    is_processing=bool(item.get("is_processing", False)),
+                    n_tokens=n_tokens,
+                )
+            )
+        self._slot_ids = frozenset(s.id for s in slots)
+        return slots
+
+    async def _check_slot(self, slot_id: int) -> None:
+        if self._slot_ids is None or slot_id not in self._slot_ids:
+            await self.inspect_slots()
+        assert self._slot_ids is not None
+        if slot_id not in self._slot_ids:
+            raise SlotNotFound(f"slot {slot_id} does not exist (server has {sorted(self._slot_ids)})")
+
+    @staticmethod
+    def _check_filename(filename: str) -> None:
+        if not _SAFE_FILENAME.match(filename) or ".." in filename:
+            raise BackendUnsupported(
+                f"refusing unsafe snapshot filename {filename[:40]!r}", hint="This is a bug."
+            )
+
+    async def _slot_action(self, action: Action, slot_id: int, filename: str | None) -> tuple[Any, float]:
+        await self._check_slot(slot_id)
+        body = None
+        if filename is not None:
+            self._check_filename(filename)
+            body = {"filename": filename}
+        started = time.perf_counter()
+        data = await self._request(
+            "POST",
+            f"/slots/{slot_id}",
+            params={"action": action},
+            json_body=body,
+            what=f"{action} slot {slot_id}",
+            failure=_FAILURE[action],
+            timeout=self._persist_timeout if action != "erase" else self._request_timeout,
+        )
+        measured_ms = (time.perf_counter() - started) * 1000.0
+        if not isinstance(data, dict):
+            raise _FAILURE[action](f"{action} slot {slot_id}: unexpected answer {str(data)[:100]}")
+        return data, measured_ms
+
+    async def save_slot(self, slot_id: int, filename: str) -> SaveResult:
+        data, ms = await self._slot_action("save", slot_id, filename)
+        timings = data.get("timings") if isinstance(data.get("timings"), dict) else {}
+        return SaveResult(
+            slot_id=slot_id,
+            filename=filename,
+            tokens=_int(data.get("n_saved"), 0) or 0,
+            bytes_written=_int(data.get("n_written"), 0) or 0,
+            server_ms=_float(timings.get("save_ms")),
+            measured_ms=ms,
+        )
+
+    async def restore_slot(self, slot_id: int, filename: str) -> RestoreResult:
+        data, ms = await self._slot_action("restore", slot_id, filename)
+        timings = data.get("timings") if isinstance(data.get("timings"), dict) else {}
+        return RestoreResult(
+            slot_id=slot_id,
+            filename=filename,
+            tokens=_int(data.get("n_restored"), 0) or 0,
+            bytes_read=_int(data.get("n_read"), 0) or 0,
+            server_ms=_float(timings.get("restore_ms")),
+            measured_ms=ms,
+        )
+
+    async def erase_slot(self, slot_id: int) -> EraseResult:
+        data, ms = await self._slot_action("erase", slot_id, None)
+        return EraseResult(slot_id=slot_id, tokens=_int(data.get("n_erased"), 0) or 0, measured_ms=ms)

@@ -1,0 +1,226 @@
+"""Configuration: one YAML file, validated by pydantic into frozen, keyword-only objects.
+
+Defaults live here and nowhere else. `load_config()` is the only entry point; any problem with the file
+raises `ConfigError` with one line naming the key (`servers.local.base_url: ...`), never a traceback.
+Environment overrides (for the few things operators change): `KVSIDECAR_CONFIG` (the file),
+`KVSIDECAR_TOKEN_FILE` (api.token_file), `KVSIDECAR_STATE_DIR` (state_dir).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from kvsidecar.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path("/etc/kvsidecar/config.yaml")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "KI": 2**10,
+    "MI": 2**20,
+    "GI": 2**30,
+    "TI": 2**40,
+}
+
+
+def parse_bytes(value: object) -> object:
+    """Accept 123, "100GB", "1.5GiB", "512M"; leave anything else for pydantic to reject."""
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if not m:
+            raise ValueError(f"not a size: {value!r} (use e.g. 100GB, 512MiB or a number of bytes)")
+        unit = (m.group(2) or "").upper().removesuffix("B")
+        return int(float(m.group(1)) * _UNITS[unit])
+    return value
+
+
+def expand_path(value: object) -> object:
+    if isinstance(value, str):
+        return Path(os.path.expandvars(os.path.expanduser(value)))
+    return value
+
+
+Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
+PathValue = Annotated[Path, BeforeValidator(expand_path)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Mode(StrEnum):
+    SINGLE_SLOT = "single-slot"
+    MANAGED_SLOTS = "managed-slots"
+
+
+class ServerConfig(_Model):
+    """One llama-server and the directory it saves slots into (its --slot-save-path)."""
+
+    base_url: str = "http://127.0.0.1:8080"
+    api_key_file: PathValue | None = None
+    snapshot_dir: PathValue = Path("~/.local/state/kvsidecar/snapshots").expanduser()
+    runtime_key: str | None = None
+    mode: Mode = Mode.SINGLE_SLOT
+    slot_id: int = Field(default=0, ge=0)
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    request_timeout_s: float = Field(default=10.0, gt=0)
+    persist_timeout_s: float = Field(default=120.0, gt=0)
+    probe_interval_s: float = Field(default=5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _url(self) -> ServerConfig:
+        if not re.match(r"^https?://[^/\s]+", self.base_url):
+            raise ValueError(f"base_url must be an http(s) URL, got {self.base_url!r}")
+        return self
+
+
+class CheckpointConfig(_Model):
+    on_switch: bool = True
+    on_shutdown: bool = True
+    on_session_flush: bool = True
+    on_disposed: bool = True
+    on_turn_end: bool = False
+    on_step_end: bool = False
+    idle_s: float | None = Field(default=30.0, gt=0)
+    shutdown_timeout_s: float = Field(default=60.0, gt=0)
+
+
+class RestoreConfig(_Model):
+    enabled: bool = True
+    verify: bool = True
+    verify_checksum: bool = True
+    # A restore after which the engine reused less than this share of the restored tokens is "ineffective".
+    min_reuse_ratio: float = Field(default=0.5, ge=0, le=1)
+
+
+class FailureConfig(_Model):
+    strict: bool = False
+    max_consecutive_failures: int = Field(default=3, ge=1)
+    cooldown_s: float = Field(default=60.0, gt=0)
+
+
+class RetentionConfig(_Model):
+    delete: bool = True  # the switch that turns every deletion off
+    interval_s: float = Field(default=60.0, gt=0)
+    max_total_bytes: Bytes | None = None
+    max_sessions: int | None = Field(default=None, ge=1)
+    max_age_days: float | None = Field(default=None, gt=0)
+    min_free_bytes: Bytes | None = None
+    min_free_percent: float | None = Field(default=None, ge=0, lt=100)
+    low_watermark: float = Field(default=0.9, gt=0, le=1)
+
+
+class ApiConfig(_Model):
+    listen: str = "127.0.0.1:8377"
+    unix_socket: PathValue | None = None
+    token_file: PathValue | None = None
+    allow_public_bind: bool = False
+    max_body_bytes: Bytes = 64 * 1024
+    lease_ttl_s: float = Field(default=600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _listen(self) -> ApiConfig:
+        host, _, port = self.listen.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"listen must be HOST:PORT, got {self.listen!r}")
+        return self
+
+    @property
+    def host(self) -> str:
+        return self.listen.rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+
+class LoggingConfig(_Model):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["text", "json"] = "text"
+
+
+class Config(_Model):
+    enabled: bool = True
+    servers: dict[str, ServerConfig] = Field(default_factory=lambda: {"local": ServerConfig()})
+    # provider -> server name. Providers not listed here pass through untouched (spec §37).
+    routes: dict[str, str] = Field(default_factory=lambda: {"local": "local"})
+    state_dir: PathValue = Path("~/.local/state/kvsidecar/state").expanduser()
+    auxiliary_requests: Literal["isolate"] = "isolate"
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    restore: RestoreConfig = RestoreConfig()
+    failure: FailureConfig = FailureConfig()
+    retention: RetentionConfig = RetentionConfig()
+    api: ApiConfig = ApiConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _routes(self) -> Config:
+        if not self.servers:
+            raise ValueError("servers: at least one server is required")
+        for provider, server in self.routes.items():
+            if server not in self.servers:
+                raise ValueError(
+                    f"routes.{provider}: unknown server {server!r} (known: {sorted(self.servers)})"
+                )
+        return self
+
+    def server_for(self, provider: str) -> str | None:
+        return self.routes.get(provider)
+
+
+def _format_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    if not loc:  # a model-level check already names its key at the start of the message
+        loc, _, msg = msg.partition(": ") if ": " in msg else ("(top level)", "", msg)
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{loc}: {msg}{more}"
+
+
+def config_from_mapping(data: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc), hint="Fix the key named above in the config file.") from None
+
+
+def load_config(path: Path | str | None = None, *, env: dict[str, str] | None = None) -> Config:
+    """Read, override from the environment, validate. `path=None` means $KVSIDECAR_CONFIG or the default."""
+    environ = os.environ if env is None else env
+    chosen = Path(path) if path is not None else Path(environ.get("KVSIDECAR_CONFIG", DEFAULT_CONFIG_PATH))
+    data: dict[str, Any] = {}
+    if chosen.exists():
+        try:
+            loaded = yaml.safe_load(chosen.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{chosen}: not valid YAML{where}") from None
+        except OSError as exc:
+            raise ConfigError(f"{chosen}: cannot read ({exc.strerror})") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{chosen}: the top level must be a mapping of keys")
+        data = loaded
+    elif path is not None or "KVSIDECAR_CONFIG" in environ:
+        raise ConfigError(f"{chosen}: no such config file")
+    if token_file := environ.get("KVSIDECAR_TOKEN_FILE"):
+        data = {**data, "api": {**(data.get("api") or {}), "token_file": token_file}}
+    if state_dir := environ.get("KVSIDECAR_STATE_DIR"):
+        data = {**data, "state_dir": state_dir}
+    return config_from_mapping(data)

@@ -1,0 +1,84 @@
+"""The coordinator's in-memory state: sessions (spec §18), physical slots (§19) and leases.
+
+All of it is owned by the event loop thread; nothing here is touched from another thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from enum import StrEnum
+
+from kvsidecar.store.naming import SnapshotIdentity
+
+
+class SessionState(StrEnum):
+    NONE = "none"  # no known snapshot, never seen running
+    COLD = "cold"  # running from a cold prefill, nothing saved yet
+    RESTORING = "restoring"
+    ACTIVE_CLEAN = "active_clean"  # resident, and the slot equals the saved snapshot
+    ACTIVE_DIRTY = "active_dirty"  # resident, the model has advanced past the snapshot
+    SAVING = "saving"
+    SAVED = "saved"  # not resident; the latest state is in a durable snapshot
+    INVALID = "invalid"  # the snapshot exists but may not be restored
+
+
+class Outcome(StrEnum):
+    RESIDENT = "resident"
+    RESTORED = "restored"
+    COLD = "cold"
+    COLD_FALLBACK = "cold_fallback"
+    BYPASS = "bypass"
+
+
+@dataclass(kw_only=True)
+class SessionRuntime:
+    identity: SnapshotIdentity
+    state: SessionState = SessionState.NONE
+    # Spec §28: monotonic revisions, not a dirty flag. dirty <=> dirty_revision > saved_revision.
+    dirty_revision: int = 0
+    saved_revision: int = 0
+    seq: int | None = None
+    verify_tokens: int | None = None  # tokens a restore claimed, awaiting the engine's reuse figure
+    last_used_at: float = 0.0
+    last_outcome: Outcome | None = None
+    last_error: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.identity.key
+
+    @property
+    def dirty(self) -> bool:
+        return self.dirty_revision > self.saved_revision
+
+
+@dataclass(kw_only=True)
+class Lease:
+    id: str
+    server: str
+    slot_id: int
+    key: str | None  # None: an auxiliary request (never a session's state, Invariant 7)
+    session_id: str | None
+    outcome: Outcome
+    acquired_at: float
+    expires_at: float
+    expiry: asyncio.TimerHandle | None = None
+
+
+@dataclass(kw_only=True)
+class Slot:
+    id: int
+    # Invariant 2: at most one owner. `owner` is the identity key whose KV the slot holds.
+    owner: str | None = None
+    # Who holds the slot right now: a Lease (inference) or an internal operation ("save", "purge").
+    # Invariant 8: restore, erase, inference and save on this slot happen only while holding it.
+    holder: Lease | str | None = None
+    holds_aux: bool = False
+    last_used_at: float = 0.0
+    tokens: int | None = None
+    broken: bool = False  # our belief about its content is void (server restart, failed restore)
+
+    @property
+    def free(self) -> bool:
+        return self.holder is None

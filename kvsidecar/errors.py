@@ -1,0 +1,201 @@
+"""The one exception tree of kvsidecar, its stable codes (spec §79) and their HTTP statuses.
+
+    KvError                         root: every error we raise carries .code, .message, .hint
+    ├── BackendError                the llama-server side (converted from httpx inside the backend only)
+    │   ├── BackendUnavailable      KV_BACKEND_UNAVAILABLE   connect refused, DNS, 5xx, bad JSON
+    │   ├── BackendUnsupported      KV_BACKEND_UNSUPPORTED   /slots disabled, no --slot-save-path
+    │   ├── OperationTimeout        KV_OPERATION_TIMEOUT     a persistence call ran past its bound
+    │   ├── SlotNotFound            KV_SLOT_NOT_FOUND        slot id not in GET /slots
+    │   ├── SaveFailed              KV_SAVE_FAILED
+    │   ├── RestoreFailed           KV_RESTORE_FAILED
+    │   └── EraseFailed             KV_ERASE_FAILED
+    ├── SnapshotError               a snapshot file or its manifest
+    │   ├── SnapshotNotFound        KV_SNAPSHOT_NOT_FOUND
+    │   ├── SnapshotIncompatible    KV_SNAPSHOT_INCOMPATIBLE (fingerprint differs)
+    │   ├── SnapshotCorrupt         KV_SNAPSHOT_CORRUPT      size, header or checksum mismatch
+    │   ├── ManifestInvalid         KV_MANIFEST_INVALID
+    │   └── MetadataIO              KV_METADATA_IO
+    ├── RequestError                what a client sent us
+    │   ├── BadRequest              KV_BAD_REQUEST
+    │   ├── InvalidSessionId        KV_INVALID_SESSION_ID
+    │   ├── LeaseNotFound           KV_LEASE_NOT_FOUND
+    │   ├── Unauthorized            KV_UNAUTHORIZED
+    │   └── PayloadTooLarge         KV_PAYLOAD_TOO_LARGE
+    ├── SlotBusy                    KV_SLOT_BUSY
+    ├── SlotStateInvalid            KV_SLOT_STATE_INVALID
+    ├── ConfigError                 KV_CONFIG_INVALID
+    └── InvariantViolation          KV_INVARIANT
+
+`HTTP_STATUS` is the only place that maps a code to an HTTP status.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class KvError(Exception):
+    """Root of every error kvsidecar raises on purpose."""
+
+    code: ClassVar[str] = "KV_ERROR"
+    default_hint: ClassVar[str] = ""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint if hint is not None else self.default_hint
+
+    def to_dict(self) -> dict[str, str]:
+        return {"code": self.code, "message": self.message, "hint": self.hint}
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+class BackendError(KvError):
+    code = "KV_BACKEND_ERROR"
+
+
+class BackendUnavailable(BackendError):
+    code = "KV_BACKEND_UNAVAILABLE"
+    default_hint = "Is llama-server running and reachable at the configured base_url?"
+
+
+class BackendUnsupported(BackendError):
+    code = "KV_BACKEND_UNSUPPORTED"
+    default_hint = (
+        "Start llama-server with --slots and --slot-save-path pointing at kvsidecar's snapshot_dir."
+    )
+
+
+class OperationTimeout(BackendError):
+    code = "KV_OPERATION_TIMEOUT"
+    default_hint = "Raise backend.persist_timeout_s, or check the disk under --slot-save-path."
+
+
+class SlotNotFound(BackendError):
+    code = "KV_SLOT_NOT_FOUND"
+    default_hint = "The slot id is not one llama-server reports in GET /slots; check --parallel and the mode."
+
+
+class SaveFailed(BackendError):
+    code = "KV_SAVE_FAILED"
+    default_hint = "Check free disk space and permissions of --slot-save-path."
+
+
+class RestoreFailed(BackendError):
+    code = "KV_RESTORE_FAILED"
+    default_hint = (
+        "The snapshot does not fit this server (model, cache type, context); it will be recomputed."
+    )
+
+
+class EraseFailed(BackendError):
+    code = "KV_ERASE_FAILED"
+
+
+class SnapshotError(KvError):
+    code = "KV_SNAPSHOT_ERROR"
+
+
+class SnapshotNotFound(SnapshotError):
+    code = "KV_SNAPSHOT_NOT_FOUND"
+
+
+class SnapshotIncompatible(SnapshotError):
+    code = "KV_SNAPSHOT_INCOMPATIBLE"
+    default_hint = (
+        "The server's model or KV layout changed since this snapshot was saved; it will be recomputed."
+    )
+
+
+class SnapshotCorrupt(SnapshotError):
+    code = "KV_SNAPSHOT_CORRUPT"
+    default_hint = "The file was truncated or modified on disk; it will not be restored."
+
+
+class ManifestInvalid(SnapshotError):
+    code = "KV_MANIFEST_INVALID"
+
+
+class MetadataIO(SnapshotError):
+    code = "KV_METADATA_IO"
+    default_hint = "Check that kvsidecar's state_dir exists, is writable and the disk is not full."
+
+
+class RequestError(KvError):
+    code = "KV_BAD_REQUEST"
+
+
+class BadRequest(RequestError):
+    code = "KV_BAD_REQUEST"
+
+
+class InvalidSessionId(RequestError):
+    code = "KV_INVALID_SESSION_ID"
+    default_hint = "Session ids are 1-128 characters from [A-Za-z0-9._:@+-]."
+
+
+class LeaseNotFound(RequestError):
+    code = "KV_LEASE_NOT_FOUND"
+    default_hint = "The lease was already released or it expired (lease_ttl_s)."
+
+
+class Unauthorized(RequestError):
+    code = "KV_UNAUTHORIZED"
+    default_hint = "Send 'Authorization: Bearer <token>' with the token from api.token_file."
+
+
+class PayloadTooLarge(RequestError):
+    code = "KV_PAYLOAD_TOO_LARGE"
+
+
+class NotFound(RequestError):
+    code = "KV_NOT_FOUND"
+
+
+class SlotBusy(KvError):
+    code = "KV_SLOT_BUSY"
+    default_hint = "All slots are leased; retry after Retry-After seconds."
+
+
+class SlotStateInvalid(KvError):
+    code = "KV_SLOT_STATE_INVALID"
+
+
+class ConfigError(KvError):
+    code = "KV_CONFIG_INVALID"
+
+
+class InvariantViolation(KvError):
+    code = "KV_INVARIANT"
+
+
+HTTP_STATUS: dict[str, int] = {
+    BackendUnavailable.code: 502,
+    BackendUnsupported.code: 502,
+    OperationTimeout.code: 504,
+    SlotNotFound.code: 502,
+    SaveFailed.code: 502,
+    RestoreFailed.code: 502,
+    EraseFailed.code: 502,
+    SnapshotNotFound.code: 404,
+    SnapshotIncompatible.code: 409,
+    SnapshotCorrupt.code: 409,
+    ManifestInvalid.code: 500,
+    MetadataIO.code: 500,
+    BadRequest.code: 400,
+    InvalidSessionId.code: 400,
+    LeaseNotFound.code: 404,
+    Unauthorized.code: 401,
+    PayloadTooLarge.code: 413,
+    NotFound.code: 404,
+    SlotBusy.code: 503,
+    SlotStateInvalid.code: 409,
+    ConfigError.code: 500,
+    InvariantViolation.code: 500,
+}
+
+
+def http_status(error: KvError) -> int:
+    return HTTP_STATUS.get(error.code, 500)

@@ -1,0 +1,183 @@
+"""Assembles the daemon from a config: store, backends, coordinator, watcher, HTTP API; and serves it.
+
+`Daemon.start()` / `Daemon.aclose()` are symmetric: everything started is stopped (shutdown checkpoint
+included). `serve()` runs it under uvicorn on loopback TCP and/or a 0600 unix socket; SIGTERM and SIGINT
+end it through the same path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from kvsidecar.api import create_app
+from kvsidecar.backend.base import KvBackend
+from kvsidecar.backend.llamacpp import LlamaCppBackend
+from kvsidecar.config import Config
+from kvsidecar.coordinator.core import Coordinator
+from kvsidecar.coordinator.server import ProcessFinder
+from kvsidecar.errors import ConfigError
+from kvsidecar.logs import event
+from kvsidecar.metrics import Metrics
+from kvsidecar.store.fingerprint import FileDigestCache, find_llama_process
+from kvsidecar.store.snapshots import SnapshotStore
+from kvsidecar.store.watcher import SnapshotWatcher
+
+log = logging.getLogger("kvsidecar.service")
+
+
+def read_token(config: Config) -> str | None:
+    path = config.api.token_file
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ConfigError(f"api.token_file: cannot read {path} ({exc.strerror})") from None
+    if len(token) < 16:
+        raise ConfigError("api.token_file: the token must be at least 16 characters")
+    return token
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Daemon:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        backends: dict[str, KvBackend] | None = None,
+        process_finder: ProcessFinder | None = find_llama_process,
+        watch: bool = True,
+    ) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.store = SnapshotStore(
+            state_dir=config.state_dir,
+            snapshot_dirs={name: s.snapshot_dir for name, s in config.servers.items()},
+            verify_checksum=config.restore.verify_checksum,
+        )
+        if backends is None:
+            backends = {name: LlamaCppBackend.from_config(s) for name, s in config.servers.items()}
+        self.coordinator = Coordinator(
+            config=config,
+            store=self.store,
+            backends=backends,
+            metrics=self.metrics,
+            process_finder=process_finder,
+            digests=FileDigestCache(config.state_dir / "file-digests.json"),
+        )
+        self.watch = watch
+        self.watcher: SnapshotWatcher | None = None
+        self.token = read_token(config)
+
+    async def start(self) -> None:
+        report = await asyncio.to_thread(self.store.open)
+        event(
+            log,
+            logging.INFO,
+            "kv.store.reconciled",
+            manifests=report.manifests,
+            invalidated=len(report.invalidated),
+            bad_manifests=len(report.bad_manifests),
+            orphans=len(report.orphans),
+            temp_removed=report.temp_files_removed,
+            ms=round(report.elapsed_ms, 1),
+        )
+        await self.coordinator.start()
+        if self.watch:
+            self.watcher = SnapshotWatcher(
+                self.store,
+                asyncio.get_running_loop(),
+                on_invalid=lambda _s, _f, reason: self.metrics.invalidated.labels(reason).inc(),
+            )
+            self.watcher.start()
+
+    async def aclose(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        await self.coordinator.aclose()
+
+    def app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+            await self.start()
+            try:
+                yield
+            finally:
+                await self.aclose()
+
+        return create_app(
+            self.coordinator,
+            token=self.token,
+            max_body_bytes=self.config.api.max_body_bytes,
+            check_host=is_loopback(self.config.api.host),
+            lifespan=lifespan,
+        )
+
+
+def listen_sockets(config: Config) -> list[socket.socket]:
+    api = config.api
+    if not is_loopback(api.host) and not api.allow_public_bind:
+        raise ConfigError(
+            f"api.listen: refusing to listen on non-loopback {api.host}; set api.allow_public_bind: true "
+            "(and a token) if you really mean it"
+        )
+    if not is_loopback(api.host) and config.api.token_file is None:
+        raise ConfigError("api.token_file: a token is required when listening beyond loopback")
+    family = socket.AF_INET6 if ":" in api.host else socket.AF_INET
+    tcp = socket.socket(family, socket.SOCK_STREAM)
+    tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        tcp.bind((api.host, api.port))
+    except OSError as exc:
+        tcp.close()
+        raise ConfigError(f"api.listen: cannot bind {api.listen} ({exc.strerror})") from None
+    socks = [tcp]
+    if api.unix_socket is not None:
+        path = Path(api.unix_socket)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            uds.bind(str(path))
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        socks.append(uds)
+    return socks
+
+
+async def serve(config: Config, **daemon_kwargs: Any) -> None:
+    daemon = Daemon(config, **daemon_kwargs)
+    socks = listen_sockets(config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            daemon.app(), log_config=None, access_log=False, timeout_graceful_shutdown=5, lifespan="on"
+        )
+    )
+    event(log, logging.INFO, "kv.api.listening", listen=config.api.listen, unix_socket=config.api.unix_socket)
+    try:
+        await server.serve(sockets=socks)
+    finally:
+        for s in socks:
+            s.close()

@@ -1,0 +1,1 @@
+"""Snapshot identity, fingerprints, manifests and the store that decides what is safe to restore."""

@@ -1,0 +1,66 @@
+"""Snapshot identity and file names (spec §13, §16; Invariant 9).
+
+A snapshot belongs to (server, provider, model, session). Its files are named by an opaque xxh3-128 digest
+of that identity plus a generation letter: `<32 hex>.a.bin` / `<32 hex>.b.bin`. No client-supplied string
+ever reaches a filesystem path; session ids are also validated here, at the edge.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import xxhash
+
+from kvsidecar.errors import BadRequest, InvalidSessionId
+
+Generation = Literal["a", "b"]
+GENERATIONS: tuple[Generation, Generation] = ("a", "b")
+
+_SESSION_ID = re.compile(r"^[A-Za-z0-9._:@+\-]{1,128}$")
+_LABEL_MAX = 256
+_NAME_VERSION = "kvsidecar-v1"
+SNAPSHOT_FILE = re.compile(r"^(?P<key>[0-9a-f]{32})\.(?P<gen>[ab])\.bin$")
+
+
+def validate_session_id(session_id: str) -> str:
+    if not isinstance(session_id, str) or not _SESSION_ID.match(session_id):
+        raise InvalidSessionId("session id must be 1-128 characters from [A-Za-z0-9._:@+-]")
+    return session_id
+
+
+def validate_label(kind: str, value: str) -> str:
+    """Provider and model names: free text, but bounded and printable (they are hashed, never a path)."""
+    if not isinstance(value, str) or not 0 < len(value) <= _LABEL_MAX or not value.isprintable():
+        raise BadRequest(f"{kind} must be 1-{_LABEL_MAX} printable characters")
+    return value
+
+
+def short_id(session_id: str) -> str:
+    """What logs show instead of a session id (spec §45): stable, short, not reversible."""
+    return xxhash.xxh3_64_hexdigest(session_id.encode())[:8]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotIdentity:
+    server: str
+    provider: str
+    model: str
+    session_id: str
+
+    @property
+    def key(self) -> str:
+        parts = (_NAME_VERSION, self.server, self.provider, self.model, self.session_id)
+        return xxhash.xxh3_128_hexdigest("\0".join(parts).encode())
+
+    @property
+    def short(self) -> str:
+        return short_id(self.session_id)
+
+    def filename(self, generation: Generation) -> str:
+        return f"{self.key}.{generation}.bin"
+
+
+def other_generation(generation: Generation | None) -> Generation:
+    return "b" if generation == "a" else "a"

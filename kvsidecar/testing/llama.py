@@ -1,0 +1,166 @@
+"""A real llama-server as a child process: start on a free loopback port, wait for /health, stop only it.
+
+Used by the integration tests, the demo and the benchmarks. `LLAMA_SERVER_BIN` or
+`scripts/provision-llama-server` provides the binary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def llama_server_binary() -> Path:
+    """$LLAMA_SERVER_BIN, else build or reuse the cached one (scripts/provision-llama-server)."""
+    if env := os.environ.get("LLAMA_SERVER_BIN"):
+        return Path(env)
+    script = REPO_ROOT / "scripts" / "provision-llama-server"
+    out = subprocess.run([str(script)], check=True, capture_output=True, text=True).stdout
+    return Path(out.strip().splitlines()[-1])
+
+
+def vocab_dir(binary: Path) -> Path:
+    return binary.parent.parent / "models"
+
+
+@dataclass
+class LlamaServer:
+    binary: Path
+    model: Path
+    slot_save_path: Path | None
+    log_path: Path
+    ctx_size: int = 4096
+    parallel: int = 1
+    extra_args: Sequence[str] = ()
+    port: int = field(default_factory=free_port)
+    threads: int = 2
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            str(self.binary),
+            "-m",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--ctx-size",
+            str(self.ctx_size),
+            "--parallel",
+            str(self.parallel),
+            "--threads",
+            str(self.threads),
+            "--slots",
+            "--no-webui",
+        ]
+        if self.slot_save_path is not None:
+            cmd += ["--slot-save-path", str(self.slot_save_path)]
+        return cmd + list(self.extra_args)
+
+    def start(self, *, timeout_s: float = 120.0) -> LlamaServer:
+        if self.slot_save_path is not None:
+            self.slot_save_path.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+        self.wait_healthy(timeout_s=timeout_s)
+        return self
+
+    def wait_healthy(self, *, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"llama-server exited with {self.proc.returncode}; log:\n{self.log_tail()}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
+                    return
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"llama-server not healthy after {timeout_s}s; log:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """kill -9: what a crash looks like."""
+        if self.alive:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self, *, timeout_s: float = 10.0) -> None:
+        if not self.alive:
+            return
+        assert self.proc is not None
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def restart(self, *, timeout_s: float = 120.0) -> None:
+        self.stop()
+        self.start(timeout_s=timeout_s)
+
+
+@contextlib.contextmanager
+def running_llama_server(**kwargs: object) -> Iterator[LlamaServer]:
+    server = LlamaServer(**kwargs)  # type: ignore[arg-type]
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def complete(base_url: str, prompt: str, *, slot_id: int | None = 0, n_predict: int = 4,
+             timeout_s: float = 600.0) -> dict[str, object]:
+    """One /completion call pinned to a slot; returns llama-server's `timings` (prompt_n, cache_n, ...)."""
+    body: dict[str, object] = {"prompt": prompt, "n_predict": n_predict, "cache_prompt": True, "temperature": 0}
+    if slot_id is not None:
+        body["id_slot"] = slot_id
+    response = httpx.post(f"{base_url}/completion", json=body, timeout=timeout_s)
+    response.raise_for_status()
+    timings = response.json()["timings"]
+    assert isinstance(timings, dict)
+    return timings
+
+
+def words(seed: str, n: int) -> str:
+    """A deterministic prompt of about `n` tokens that differs per seed from its very first word."""
+    return " ".join(f"{seed}{i % 97} alpha{i}" for i in range(max(1, n // 4)))

