@@ -157,6 +157,7 @@ class Coordinator:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._started:
             self.scheduler.shutdown(wait=False)
+            await asyncio.sleep(0)  # AsyncIOScheduler finishes its shutdown in a loop callback
         for srv in self.servers.values():
             await srv.backend.aclose()
 

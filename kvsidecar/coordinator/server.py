@@ -95,7 +95,7 @@ class ServerRuntime:
         if self.caps is not None and caps.model_path != self.caps.model_path:
             restarted, reason = True, "model changed"
         self.caps, self.process, self.available, self.last_error = caps, process, True, None
-        if restarted or self.fingerprint is None:
+        if restarted or self.fingerprint is None or (process is not None and old_process is None):
             self.fingerprint = await asyncio.to_thread(
                 build_fingerprint,
                 caps=caps,

@@ -65,6 +65,7 @@ _VALUE_FLAGS = {
     "--cache-ram": "cache_ram",
     "-cram": "cache_ram",
 }
+_LAYOUT_FLAGS = ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "kv_unified", "lora")
 _BOOL_FLAGS = {
     "--swa-full": "swa_full",
     "-kvu": "kv_unified",
@@ -146,9 +147,9 @@ def sampled_file_digest(path: Path) -> str:
             while block := f.read(1 << 22):
                 h.update(block)
         else:
-            step = (size - _SAMPLE_BYTES) // (_SAMPLES - 1)
+            last = size - _SAMPLE_BYTES
             for i in range(_SAMPLES):
-                f.seek(i * step)
+                f.seek(last * i // (_SAMPLES - 1))  # i = 15 lands exactly on the tail
                 h.update(f.read(_SAMPLE_BYTES))
     return h.hexdigest()
 
@@ -209,21 +210,24 @@ def build_fingerprint(
     runtime_key: str | None,
     digests: FileDigestCache | None,
 ) -> RuntimeFingerprint:
+    # Every component is always present ("" when unknown), so a fingerprint does not flip just because
+    # process discovery succeeded once and failed once.
+    flags = process.flags if process is not None else {}
     comp: dict[str, str] = {
         "backend": caps.kind,
         "model_path": caps.model_path or "",
         "build_info": caps.build_info or "",
         "runtime_key": runtime_key or "",
+        **{key: flags.get(key, "") for key in _LAYOUT_FLAGS},
+        "model_file": "",
+        "server_binary": "",
     }
     info = {"total_slots": str(caps.total_slots), "n_ctx": str(caps.n_ctx or "")}
+    if digests is not None and caps.model_path:
+        comp["model_file"] = digests.digest(Path(caps.model_path)) or ""
     if process is not None:
-        for key in ("cache_type_k", "cache_type_v", "flash_attn", "swa_full", "kv_unified", "lora"):
-            comp[key] = process.flags.get(key, "")
         info["pid"] = str(process.pid)
         info["cmdline"] = shlex.join(process.cmdline)
-        if digests is not None:
-            if caps.model_path:
-                comp["model_file"] = digests.digest(Path(caps.model_path)) or ""
-            if process.exe:
-                comp["server_binary"] = digests.digest(Path(process.exe)) or ""
+        if digests is not None and process.exe:
+            comp["server_binary"] = digests.digest(Path(process.exe)) or ""
     return RuntimeFingerprint(components=comp, info=info)

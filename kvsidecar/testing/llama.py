@@ -148,10 +148,16 @@ def running_llama_server(**kwargs: object) -> Iterator[LlamaServer]:
         server.stop()
 
 
-def complete(base_url: str, prompt: str, *, slot_id: int | None = 0, n_predict: int = 4,
-             timeout_s: float = 600.0) -> dict[str, object]:
+def complete(
+    base_url: str, prompt: str, *, slot_id: int | None = 0, n_predict: int = 4, timeout_s: float = 600.0
+) -> dict[str, object]:
     """One /completion call pinned to a slot; returns llama-server's `timings` (prompt_n, cache_n, ...)."""
-    body: dict[str, object] = {"prompt": prompt, "n_predict": n_predict, "cache_prompt": True, "temperature": 0}
+    body: dict[str, object] = {
+        "prompt": prompt,
+        "n_predict": n_predict,
+        "cache_prompt": True,
+        "temperature": 0,
+    }
     if slot_id is not None:
         body["id_slot"] = slot_id
     response = httpx.post(f"{base_url}/completion", json=body, timeout=timeout_s)

@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import pytest
+
+from kvsidecar.errors import BadRequest, InvalidSessionId
+from kvsidecar.store.naming import (
+    SNAPSHOT_FILE,
+    SnapshotIdentity,
+    other_generation,
+    short_id,
+    validate_label,
+    validate_session_id,
+)
+
+
+def ident(**kw: str) -> SnapshotIdentity:
+    base = {"server": "local", "provider": "p", "model": "m", "session_id": "s1"}
+    return SnapshotIdentity(**(base | kw))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "../../etc/passwd",
+        "a/b",
+        "a\\b",
+        "nul\x00byte",
+        "x" * 129,
+        "sp ace",
+        "ｓｅｓｓｉｏｎ",
+        "é",
+        "a\nb",
+        "C:\\x",
+    ],
+)
+def test_hostile_session_ids_are_refused(bad: str) -> None:
+    with pytest.raises(InvalidSessionId):
+        validate_session_id(bad)
+
+
+@pytest.mark.parametrize("good", ["a", "01991d-7c85", "user@host:session.1+x", "x" * 128, "A_B-c.d"])
+def test_ordinary_session_ids_pass(good: str) -> None:
+    assert validate_session_id(good) == good
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 257, "tab\there", "nl\n"])
+def test_labels_are_bounded_and_printable(bad: str) -> None:
+    with pytest.raises(BadRequest):
+        validate_label("model", bad)
+
+
+def test_filenames_are_flat_opaque_and_generation_suffixed() -> None:
+    i = ident(session_id="../../etc/passwd".replace("/", "_"), model="Qwen/../evil")
+    for gen in ("a", "b"):
+        name = i.filename(gen)
+        assert SNAPSHOT_FILE.match(name)
+        assert "/" not in name and ".." not in name
+        assert "passwd" not in name and "evil" not in name
+
+
+def test_every_identity_part_changes_the_name() -> None:
+    base = ident()
+    names = {base.key}
+    for field, value in [("server", "other"), ("provider", "q"), ("model", "m2"), ("session_id", "s2")]:
+        names.add(ident(**{field: value}).key)
+    assert len(names) == 5
+
+
+def test_digest_separates_fields_unambiguously() -> None:
+    assert ident(provider="ab", model="c").key != ident(provider="a", model="bc").key
+
+
+def test_names_are_stable() -> None:
+    # A change here orphans every snapshot on disk: it must be deliberate (bump _NAME_VERSION).
+    assert ident().key == ident().key
+    assert len(ident().key) == 32
+    assert short_id("s1") == short_id("s1") and len(short_id("s1")) == 8 and "s1" not in short_id("s1")
+
+
+def test_other_generation() -> None:
+    assert other_generation(None) == "a"
+    assert other_generation("a") == "b"
+    assert other_generation("b") == "a"
