@@ -28,8 +28,9 @@ def ident(**kw: str) -> SnapshotIdentity:
         "nul\x00byte",
         "x" * 129,
         "sp ace",
-        "ｓｅｓｓｉｏｎ",
-        "é",
+        "\uff53\uff45\uff53\uff53\uff49\uff4f\uff4e",  # fullwidth look-alike
+        "\u00e9",
+        "\u0430dmin",  # Cyrillic a
         "a\nb",
         "C:\\x",
     ],
