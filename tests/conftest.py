@@ -1,4 +1,4 @@
-"""Shared fixtures. Integration fixtures start a real llama-server (built by scripts/provision-llama-server)."""
+"""Shared fixtures; integration fixtures start a real llama-server (scripts/provision-llama-server)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The coordinator against the fake backend: spec §75 scenarios, §76 units, §84 call sequence, §85 invariants."""
+"""The coordinator on the fake backend: spec §75 scenarios, §76 units, §84 calls, §85 invariants."""
 
 from __future__ import annotations
 
