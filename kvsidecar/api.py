@@ -82,17 +82,28 @@ class BodyLimit:
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
                 await error_response(too_large)(scope, receive, send)
                 return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
+        # Bodies here are small: read the whole body up to the cap, then replay it to the app.
+        body = bytearray()
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise too_large
-            return message
+            if message["type"] != "http.request":
+                break
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await error_response(too_large)(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        await self.app(scope, limited, send)
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
 def _loopback_host(host_header: str) -> bool:
@@ -139,10 +150,7 @@ def _install_guards(app: FastAPI, *, token: str | None, check_host: bool) -> Non
             sent = request.headers.get("authorization", "")
             if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
                 return error_response(Unauthorized("missing or wrong bearer token"))
-        try:
-            return await call_next(request)
-        except KvError as exc:  # raised by BodyLimit while the route read the body
-            return error_response(exc)
+        return await call_next(request)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
