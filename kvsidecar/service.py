@@ -167,7 +167,7 @@ def listen_sockets(config: Config) -> list[socket.socket]:
     return socks
 
 
-async def serve(config: Config, **daemon_kwargs: Any) -> None:
+def build_server(config: Config, **daemon_kwargs: Any) -> tuple[uvicorn.Server, list[socket.socket], Daemon]:
     daemon = Daemon(config, **daemon_kwargs)
     socks = listen_sockets(config)
     server = uvicorn.Server(
@@ -175,6 +175,12 @@ async def serve(config: Config, **daemon_kwargs: Any) -> None:
             daemon.app(), log_config=None, access_log=False, timeout_graceful_shutdown=5, lifespan="on"
         )
     )
+    return server, socks, daemon
+
+
+async def serve(config: Config, **daemon_kwargs: Any) -> None:
+    """Run until SIGTERM/SIGINT; the lifespan's shutdown path checkpoints dirty slots before exit."""
+    server, socks, _ = build_server(config, **daemon_kwargs)
     event(log, logging.INFO, "kv.api.listening", listen=config.api.listen, unix_socket=config.api.unix_socket)
     try:
         await server.serve(sockets=socks)

@@ -1,0 +1,3 @@
+from kvsidecar.cli import main
+
+raise SystemExit(main())

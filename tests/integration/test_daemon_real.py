@@ -1,0 +1,126 @@
+"""The whole daemon (uvicorn, hook API, client) on a real llama-server, over real loopback HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from kvsidecar.client import KvSidecarClient
+from kvsidecar.config import config_from_mapping
+from kvsidecar.service import build_server
+from kvsidecar.testing.llama import LlamaServer, complete, free_port, words
+from tests.conftest import StartServer
+
+TOKEN = "integration-token-0123456789"
+
+
+def daemon_config(server: LlamaServer, tmp_path: Path, port: int) -> dict[str, Any]:
+    (tmp_path / "token").write_text(TOKEN)
+    return {
+        "state_dir": str(tmp_path / "state"),
+        "servers": {"local": {"base_url": server.base_url, "snapshot_dir": str(server.slot_save_path)}},
+        "routes": {"local": "local"},
+        "api": {
+            "listen": f"127.0.0.1:{port}",
+            "token_file": str(tmp_path / "token"),
+            "unix_socket": str(tmp_path / "api.sock"),
+        },
+    }
+
+
+@asynccontextmanager
+async def running_daemon(server: LlamaServer, tmp_path: Path) -> AsyncIterator[str]:
+    port = free_port()
+    uv, socks, _ = build_server(config_from_mapping(daemon_config(server, tmp_path, port)))
+    task = asyncio.ensure_future(uv.serve(sockets=socks))
+    try:
+        while not uv.started:
+            assert not task.done(), task.exception()
+            await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        await asyncio.wait_for(task, 60)
+        for s in socks:
+            s.close()
+
+
+async def harness_turn(kv: KvSidecarClient, session: str, n: int, llama: str) -> tuple[str, int, int]:
+    async with kv.acquire(session, provider="local", model="tiny") as lease:
+        t = await asyncio.to_thread(complete, llama, words(session, 600 * n), slot_id=lease.slot_id)
+        lease.report(prompt_tokens=int(t["prompt_n"]), cached_tokens=int(t["cache_n"]))  # type: ignore[call-overload]
+    return lease.outcome, int(t["prompt_n"]), int(t["cache_n"])  # type: ignore[call-overload]
+
+
+async def test_hooks_over_http_and_unix_socket(start_llama: StartServer, tmp_path: Path) -> None:
+    server = start_llama()
+    async with running_daemon(server, tmp_path) as url:
+        async with KvSidecarClient(url, token=TOKEN) as kv:
+            assert (await harness_turn(kv, "A", 1, server.base_url))[0] == "cold"
+            assert (await harness_turn(kv, "A", 2, server.base_url))[0] == "resident"
+            assert (await harness_turn(kv, "B", 1, server.base_url))[0] == "cold"
+            outcome, pn, cn = await harness_turn(kv, "A", 3, server.base_url)
+            assert outcome == "restored" and cn > pn
+            status = await kv.status()
+            assert status["stats"]["restore_hits"] == 1 and status["snapshots"]["valid"] == 2
+        sock = tmp_path / "api.sock"
+        assert sock.stat().st_mode & 0o777 == 0o600
+        transport = httpx.AsyncHTTPTransport(uds=str(sock))
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
+            assert (await c.get("/v1/status")).status_code == 401
+            r = await c.get("/v1/status", headers={"Authorization": f"Bearer {TOKEN}"})
+            assert r.status_code == 200
+        async with httpx.AsyncClient() as c:
+            assert (await c.get(f"{url}/healthz")).status_code == 200
+            assert (await c.get(f"{url}/metrics")).status_code == 401
+
+
+def test_sigterm_checkpoints_a_dirty_session(start_llama: StartServer, tmp_path: Path) -> None:
+    """`kvsidecar serve` as a process: SIGTERM saves the dirty slot before exiting."""
+    server = start_llama()
+    port = free_port()
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(daemon_config(server, tmp_path, port)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvsidecar", "-c", str(cfg), "serve"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+
+        async def one_turn() -> None:
+            async with KvSidecarClient(url, token=TOKEN) as kv:
+                await harness_turn(kv, "A", 1, server.base_url)
+
+        asyncio.run(one_turn())
+        assert not list(server.slot_save_path.glob("*.bin"))  # type: ignore[union-attr]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # uvicorn re-raises the signal after a clean shutdown; systemd counts SIGTERM as a clean exit.
+    assert proc.returncode in (0, -signal.SIGTERM), err
+    assert "kv.session.save.success" in err and "trigger=shutdown" in err
+    assert len(list(server.slot_save_path.glob("*.a.bin"))) == 1  # type: ignore[union-attr]
+    assert "A " not in err.replace("session=", "")  # full session ids are not logged at info
