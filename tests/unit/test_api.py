@@ -201,9 +201,8 @@ async def test_host_header_guard_against_dns_rebinding(h: Harness) -> None:
 
 
 async def test_metrics_and_openapi(h: Harness) -> None:
-    async with client(h) as kv:
-        async with kv.acquire("A", provider="local", model="m"):
-            pass
+    async with client(h) as kv, kv.acquire("A", provider="local", model="m"):
+        pass
     async with http(h) as c:
         text = (await c.get("/metrics")).text
         assert 'kv_acquire_total{outcome="cold",server="local"} 1.0' in text
