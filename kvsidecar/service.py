@@ -145,6 +145,8 @@ def listen_sockets(config: Config) -> list[socket.socket]:
     family = socket.AF_INET6 if ":" in api.host else socket.AF_INET
     tcp = socket.socket(family, socket.SOCK_STREAM)
     tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit this: a hook answer must not wait for the client's delayed ACK (~40 ms).
+    tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         tcp.bind((api.host, api.port))
     except OSError as exc:

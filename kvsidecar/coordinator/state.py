@@ -41,6 +41,7 @@ class SessionRuntime:
     seq: int | None = None
     verify_tokens: int | None = None  # tokens a restore claimed, awaiting the engine's reuse figure
     last_used_at: float = 0.0
+    idle_due: float | None = None  # monotonic deadline of the idle checkpoint
     last_outcome: Outcome | None = None
     last_error: str | None = None
 

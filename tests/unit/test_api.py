@@ -122,7 +122,7 @@ async def test_events_save_restore_invalidate_purge(h: Harness) -> None:
             "/v1/sessions/" + "x" * 200 + "/acquire",
             {"provider": "local", "model": "m"},
             400,
-            "KV_BAD_REQUEST",
+            "KV_INVALID_SESSION_ID",
         ),
         ("POST", "/v1/sessions/A/acquire", {"provider": 5, "model": "m"}, 400, "KV_BAD_REQUEST"),
         ("POST", "/v1/sessions/A/acquire", {"model": "m"}, 400, "KV_BAD_REQUEST"),

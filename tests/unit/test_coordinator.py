@@ -263,21 +263,29 @@ async def test_turn_end_saves_only_when_configured(tmp_path: Path) -> None:
         await h.coordinator.aclose()
 
 
-async def test_idle_timer_is_rescheduled_and_rechecks_revision(h: Harness) -> None:
+async def test_idle_timer_follows_the_last_request_and_rechecks_ownership(h: Harness) -> None:
+    clock = [1000.0]
+    h.coordinator.monotonic = lambda: clock[0]
     await h.turn("A")
     job = h.coordinator.idle_job(key("A"))
-    assert job is not None and tuple(job.args) == (key("A"), 1)
-    await h.turn("A")
-    job = h.coordinator.idle_job(key("A"))
-    assert tuple(job.args) == (key("A"), 2)  # one job per session, replaced on every request
+    assert job is not None and tuple(job.args) == (key("A"),)
+    clock[0] += 20
+    await h.turn("A")  # pushes the deadline to t+50 without touching the scheduler
+    assert h.coordinator.idle_job(key("A")) is job
     h.calls()
-    await h.coordinator._on_idle(key("A"), 1)  # a stale timer must not save
+    clock[0] += 10  # the job fires at t+30: the session was used 10 s ago, not idle yet
+    await h.coordinator._on_idle(key("A"))
+    assert h.calls() == [] and h.coordinator.idle_job(key("A")) is not None  # re-armed for t+50
+    clock[0] += 20
+    await h.coordinator._on_idle(key("A"))
+    assert h.calls() == ["save"] and not h.coordinator._sessions[key("A")].dirty
+    await h.coordinator._on_idle(key("A"))  # a second firing saves nothing (coalesced)
     assert h.calls() == []
-    await h.coordinator._on_idle(key("A"), 2)
-    assert h.calls() == ["save"]
+    await h.turn("A")
     await h.turn("B")
     h.calls()
-    await h.coordinator._on_idle(key("A"), 2)  # A is no longer resident: nothing to do
+    clock[0] += 60
+    await h.coordinator._on_idle(key("A"))  # A is no longer resident: nothing to do
     assert h.calls() == []
 
 
