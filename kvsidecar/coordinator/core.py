@@ -5,6 +5,9 @@ otherwise save the previous owner if dirty, then restore the session's snapshot 
 and returns a lease; the harness runs inference with `id_slot`; `release()` ends the lease, marks the
 session dirty on success and checks how much of a restore the engine actually reused.
 
+Invariant 1: nothing here ever touches a prompt or a reply; the harness' conversation is built from its own
+log, so what kvsidecar does to a slot can change how fast an answer comes, never what it says.
+
 Everything here runs on the event loop. Slot selection and hand-over happen under the server's
 `slots_changed` condition; a slot's content is only changed (restore, erase, save, inference) while its
 `holder` is set, which makes those operations serial per slot (Invariant 8).

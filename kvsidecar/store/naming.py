@@ -24,6 +24,9 @@ _NAME_VERSION = "kvsidecar-v1"
 SNAPSHOT_FILE = re.compile(r"^(?P<key>[0-9a-f]{32})\.(?P<gen>[ab])\.bin$")
 
 
+# Invariant 9: snapshot file names are ours (an xxh3 digest + generation), never a client string.
+
+
 def validate_session_id(session_id: str) -> str:
     if not isinstance(session_id, str) or not _SESSION_ID.match(session_id):
         raise InvalidSessionId("session id must be 1-128 characters from [A-Za-z0-9._:@+-]")

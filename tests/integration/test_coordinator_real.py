@@ -157,3 +157,26 @@ async def test_disposal_saves_and_leaves_nothing_running(start_llama: StartServe
     assert h.coordinator._sessions.get(ident("A").key) is None or (
         h.coordinator._sessions[ident("A").key].state is SessionState.SAVED
     )
+
+
+async def test_previous_generation_restores_when_the_current_is_gone(
+    start_llama: StartServer, tmp_path: Path
+) -> None:
+    """A/B generations on the real server: save -> verify -> flip, and fallback to the older prefix."""
+    server = start_llama()
+    h = await real_harness(server, tmp_path)
+    try:
+        await h.turn("A")
+        await h.turn("B")  # A turn 1 saved to generation a
+        await h.turn("A")
+        await h.turn("B")  # A turn 2 saved to generation b (current)
+        m = h.coordinator.store.get(ident("A").key)
+        assert m is not None and m.current == "b" and set(m.generations) == {"a", "b"}
+        older = m.generations["a"].tokens
+        (server.slot_save_path / ident("A").filename("b")).unlink()  # type: ignore[operator]
+        r, _, pn, cn = await h.turn("A")
+        assert r.outcome is Outcome.RESTORED and r.restored_tokens == older
+        assert r.reason is not None and "SNAPSHOT_FILE_MISSING" in r.reason
+        assert cn >= older - 8 and pn <= (pn + cn) - older + 8  # the older prefix was reused for real
+    finally:
+        await h.coordinator.aclose()

@@ -23,6 +23,8 @@ def make_config(tmp_path: Path, **overrides: Any) -> Config:
         "checkpoint": {"idle_s": 30},
     }
     for key, value in overrides.items():
+        if key == "servers":
+            value = {name: {**data["servers"].get(name, {}), **cfg} for name, cfg in value.items()}
         data[key] = {**data[key], **value} if isinstance(data.get(key), dict) else value
     return config_from_mapping(data)
 

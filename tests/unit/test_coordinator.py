@@ -424,3 +424,32 @@ async def test_invariant_one_owner_per_slot_under_interleaving(h: Harness) -> No
 
     await asyncio.gather(*(worker(f"s{i}") for i in range(6)))
     assert max(seen_holders) == 1 and len(seen_holders) == 30
+
+
+@pytest.mark.parametrize(
+    ("owners", "dirty", "want"),
+    [
+        ({0: "s", 1: None}, set(), 0),  # 1. the slot the session already owns
+        ({0: "x", 1: None}, set(), 1),  # 2. an empty slot
+        ({0: "x", 1: "y"}, {"x"}, 1),  # 3. the least recently used clean slot
+        ({0: "x", 1: "y"}, {"x", "y"}, 0),  # 4. the least recently used dirty slot (saved before reuse)
+    ],
+)
+async def test_slot_selection_order(
+    tmp_path: Path, owners: dict[int, str | None], dirty: set[str], want: int
+) -> None:
+    """Spec §64, on a two-slot pool (slot 0 used longest ago)."""
+    h = await start_harness(tmp_path, total_slots=2, servers={"local": {"mode": "managed-slots"}})
+    try:
+        srv = h.coordinator.servers["local"]
+        assert sorted(srv.slots) == [0, 1]
+        for i, o in owners.items():
+            srv.slots[i].owner = o
+            srv.slots[i].last_used_at = float(i)
+        chosen = srv.select_slot("s", lambda k: k in dirty)
+        assert chosen is not None and chosen.id == want
+        srv.slots[want].holder = "busy"
+        if owners.get(want) == "s":
+            assert srv.select_slot("s", lambda k: k in dirty) is None  # wait for its own slot
+    finally:
+        await h.coordinator.aclose()
