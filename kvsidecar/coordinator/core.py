@@ -306,6 +306,15 @@ class Coordinator:
             self.config.api.lease_ttl_s, lambda: self._spawn(self._expire(lease.id))
         )
         self.metrics.acquire.labels(srv.name, result.outcome.value).inc()
+        event(
+            log,
+            logging.DEBUG,
+            "kv.slot.acquire",
+            server=srv.name,
+            slot=slot.id,
+            outcome=result.outcome.value,
+            session=lease.session_id,
+        )  # debug level: the full id is allowed here
         return result
 
     async def _prepare_aux(self, srv: ServerRuntime, slot: Slot) -> AcquireResult:
@@ -326,6 +335,15 @@ class Coordinator:
         result = AcquireResult(outcome=Outcome.COLD)
         if slot.owner is not None:
             result.evicted = await self._evict(srv, slot, result)
+        event(
+            log,
+            logging.INFO,
+            "kv.session.switch",
+            server=srv.name,
+            slot=slot.id,
+            to=rt.identity.short,
+            evicted=result.evicted,
+        )
         self.stats.switches += 1
         self.metrics.switch.labels(srv.name).inc()
         await self._load_session(srv, slot, rt, result)
@@ -334,7 +352,7 @@ class Coordinator:
         event(
             log,
             logging.INFO,
-            f"kv.session.{result.outcome.value}",
+            "kv.session.restore.success" if result.outcome is Outcome.RESTORED else "kv.session.cold",
             server=srv.name,
             slot=slot.id,
             session=rt.identity.short,
@@ -415,6 +433,16 @@ class Coordinator:
         self.metrics.restore.labels(srv.name).inc()
         self.stats.restores += 1
         rt.state = SessionState.RESTORING
+        event(
+            log,
+            logging.INFO,
+            "kv.session.restore.start",
+            session=rt.identity.short,
+            slot=slot.id,
+            generation=candidate.generation,
+            tokens=candidate.record.tokens,
+            bytes=candidate.record.bytes,
+        )
         try:
             restored = await self._persist(srv, srv.backend.restore_slot(slot.id, candidate.record.filename))
             if restored.tokens != candidate.record.tokens:
@@ -545,6 +573,14 @@ class Coordinator:
             return False
         revision, previous_state = rt.dirty_revision, rt.state
         rt.state = SessionState.SAVING
+        event(
+            log,
+            logging.INFO,
+            "kv.session.save.start",
+            session=rt.identity.short,
+            trigger=trigger,
+            slot=slot.id,
+        )
         started = self.monotonic()
         plan = await asyncio.to_thread(self.store.begin_save, rt.identity)
         try:
@@ -638,6 +674,17 @@ class Coordinator:
         srv = self.servers[lease.server]
         slot = srv.slots.get(lease.slot_id)
         out: dict[str, Any] = {"released": True, "dirty": False}
+        event(
+            log,
+            logging.DEBUG,
+            "kv.slot.release",
+            server=srv.name,
+            slot=lease.slot_id,
+            status=status,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
+            session=lease.session_id,
+        )
         rt = self._sessions.get(lease.key) if lease.key else None
         if rt is not None and slot is not None and slot.owner == rt.key:
             if status == "ok":
