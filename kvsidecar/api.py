@@ -34,6 +34,7 @@ from kvsidecar.errors import (
     Unauthorized,
     http_status,
 )
+from kvsidecar.retention import RetentionJob
 from kvsidecar.store.naming import validate_session_id
 
 SessionIdPath = Annotated[str, Path(description="opaque harness session id, 1-128 of [A-Za-z0-9._:@+-]")]
@@ -193,6 +194,7 @@ def _loopback_host(host_header: str) -> bool:
 def create_app(
     coordinator: Coordinator,
     *,
+    retention: RetentionJob | None = None,
     token: str | None = None,
     max_body_bytes: int = 64 * 1024,
     check_host: bool = True,
@@ -209,6 +211,8 @@ def create_app(
     app.add_middleware(Guard, token=token, check_host=check_host, max_bytes=max_body_bytes)
     _install_routes(app, coordinator)
     _install_hot_path(app, coordinator)
+    if retention is not None:
+        _install_gc(app, retention)
     return app
 
 
@@ -290,6 +294,13 @@ def _install_routes(app: FastAPI, coordinator: Coordinator) -> None:
         return await coordinator.purge(validate_session_id(session_id))
 
     _install_view_routes(app, coordinator)
+
+
+def _install_gc(app: FastAPI, retention: RetentionJob) -> None:
+    @app.post("/v1/gc")
+    async def gc(dry_run: bool = False) -> dict[str, Any]:
+        """Run retention now: the plan (what, why), and what was removed unless dry_run."""
+        return await retention.run(dry_run=dry_run)
 
 
 def _install_view_routes(app: FastAPI, coordinator: Coordinator) -> None:

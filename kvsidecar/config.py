@@ -117,9 +117,9 @@ class RetentionConfig(_Model):
     interval_s: float = Field(default=60.0, gt=0)
     max_total_bytes: Bytes | None = None
     max_sessions: int | None = Field(default=None, ge=1)
-    max_age_days: float | None = Field(default=None, gt=0)
+    max_age_days: float | None = Field(default=30.0, gt=0)
     min_free_bytes: Bytes | None = None
-    min_free_percent: float | None = Field(default=None, ge=0, lt=100)
+    min_free_percent: float | None = Field(default=10.0, ge=0, lt=100)
     low_watermark: float = Field(default=0.9, gt=0, le=1)
 
 

@@ -29,6 +29,7 @@ from kvsidecar.coordinator.server import ProcessFinder
 from kvsidecar.errors import ConfigError
 from kvsidecar.logs import event
 from kvsidecar.metrics import Metrics
+from kvsidecar.retention import RetentionJob
 from kvsidecar.store.fingerprint import FileDigestCache, find_llama_process
 from kvsidecar.store.snapshots import SnapshotStore
 from kvsidecar.store.watcher import SnapshotWatcher
@@ -84,6 +85,14 @@ class Daemon:
             process_finder=process_finder,
             digests=FileDigestCache(config.state_dir / "file-digests.json"),
         )
+        self.retention = RetentionJob(
+            store=self.store,
+            config=config.retention,
+            metrics=self.metrics,
+            protected_keys=self.coordinator.protected_keys,
+        )
+        self.coordinator.after_save = self._after_save
+        self._gc_pending = False
         self.watch = watch
         self.watcher: SnapshotWatcher | None = None
         self.token = read_token(config)
@@ -102,6 +111,14 @@ class Daemon:
             ms=round(report.elapsed_ms, 1),
         )
         await self.coordinator.start()
+        self.coordinator.scheduler.add_job(
+            self._gc,
+            "interval",
+            seconds=self.config.retention.interval_s,
+            id="retention",
+            max_instances=1,
+            coalesce=True,
+        )
         if self.watch:
             self.watcher = SnapshotWatcher(
                 self.store,
@@ -109,6 +126,29 @@ class Daemon:
                 on_invalid=lambda _s, _f, reason: self.metrics.invalidated.labels(reason).inc(),
             )
             self.watcher.start()
+
+    async def _gc(self) -> None:
+        try:
+            await self.retention.run()
+            self.metrics.snapshot_count.set(len(self.store.all()))
+            self.metrics.snapshot_bytes.set(sum(m.total_bytes for m in self.store.all()))
+        except Exception:  # a failed pass must not kill the timer; the next one retries
+            log.exception("kv.gc.failed")
+
+    def _after_save(self) -> None:
+        """A save may have pushed usage over a limit: check now rather than at the next interval."""
+        if self._gc_pending:
+            return
+        self._gc_pending = True
+
+        async def check() -> None:
+            try:
+                if await asyncio.to_thread(self.retention.needs_run):
+                    await self._gc()
+            finally:
+                self._gc_pending = False
+
+        self.coordinator.spawn(check())
 
     async def aclose(self) -> None:
         if self.watcher is not None:
@@ -126,6 +166,7 @@ class Daemon:
 
         return create_app(
             self.coordinator,
+            retention=self.retention,
             token=self.token,
             max_body_bytes=self.config.api.max_body_bytes,
             check_host=is_loopback(self.config.api.host),

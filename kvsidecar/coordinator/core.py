@@ -132,9 +132,12 @@ class Coordinator:
         self._by_session: dict[str, set[str]] = {}  # session id -> identity keys
         self._leases: dict[str, Lease] = {}
         self._idle_armed: set[str] = set()  # session keys with a pending idle job
+        self._busy_keys: dict[str, int] = {}  # keys being restored or saved right now (retention keeps off)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
         self._started = False
+        # Called (on the loop) after every successful save: the daemon checks retention limits here.
+        self.after_save: Callable[[], None] | None = None
 
     # lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -165,6 +168,10 @@ class Coordinator:
             await asyncio.sleep(0)  # AsyncIOScheduler finishes its shutdown in a loop callback
         for srv in self.servers.values():
             await srv.backend.aclose()
+
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        """A background task the coordinator owns: cancelled and awaited by aclose()."""
+        return self._spawn(coro)
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task: asyncio.Task[Any] = asyncio.ensure_future(coro)
@@ -326,6 +333,10 @@ class Coordinator:
         return result
 
     async def _prepare(self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime) -> AcquireResult:
+        with self._busy(rt.key):
+            return await self._prepare_slot(srv, slot, rt)
+
+    async def _prepare_slot(self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime) -> AcquireResult:
         rt.last_used_at = self.clock()
         # Invariant 6: a resident session costs no disk I/O and no management call.
         if slot.owner == rt.key and not slot.broken:
@@ -571,6 +582,14 @@ class Coordinator:
             self.stats.save_failures += 1
             self.metrics.save_failure.labels(srv.name, "KV_BACKEND_UNAVAILABLE").inc()
             return False
+        with self._busy(rt.key):
+            return await self._save_now(srv, slot, rt, trigger=trigger, actions=actions)
+
+    async def _save_now(
+        self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, *, trigger: str, actions: list[str] | None
+    ) -> bool:
+        fingerprint = srv.fingerprint
+        assert fingerprint is not None  # checked by _save
         revision, previous_state = rt.dirty_revision, rt.state
         rt.state = SessionState.SAVING
         event(
@@ -589,7 +608,7 @@ class Coordinator:
                 self.store.commit_save,
                 plan,
                 saved,
-                fingerprint=srv.fingerprint,
+                fingerprint=fingerprint,
                 revision=revision,
                 session_seq=rt.seq,
             )
@@ -622,6 +641,8 @@ class Coordinator:
         self.metrics.save_ms.labels(srv.name).observe(ms)
         if actions is not None:
             actions.append(f"save {rt.identity.short}")
+        if self.after_save is not None:
+            self.after_save()
         event(
             log,
             logging.INFO,
@@ -868,6 +889,23 @@ class Coordinator:
             await self._disown(rt)
             freed += await asyncio.to_thread(self.store.purge, rt.key)
         return {"purged": len(found), "bytes_freed": freed}
+
+    @contextlib.contextmanager
+    def _busy(self, key: str) -> Any:
+        self._busy_keys[key] = self._busy_keys.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            self._busy_keys[key] -= 1
+            if not self._busy_keys[key]:
+                del self._busy_keys[key]
+
+    def protected_keys(self) -> set[str]:
+        """Snapshots retention must not touch: resident in a slot, leased, or under an operation."""
+        keys = {lease.key for lease in self._leases.values() if lease.key is not None} | set(self._busy_keys)
+        for srv in self.servers.values():
+            keys |= {s.owner for s in srv.slots.values() if s.owner is not None}
+        return keys
 
     # views -------------------------------------------------------------------------------------------
     def session_views(self, session_id: str | None = None) -> list[dict[str, Any]]:

@@ -386,12 +386,12 @@ class SnapshotStore:
 
     # deletion ----------------------------------------------------------------------------------------
     def delete_generation(self, key: str, gen: Generation) -> int:
-        """Delete a generation's file, then its record: a crash in between leaves an orphan only."""
+        """Forget a generation, then delete its file: a crash in between leaves an orphan file (which
+        retention collects), never a record that vouches for a file that is gone."""
         manifest = self.get(key)
         rec = manifest.generation(gen) if manifest else None
         if manifest is None or rec is None:
             return 0
-        freed = self._unlink(self.path_for(manifest.server, rec.filename))
         remaining = manifest.with_generation(
             gen, None, current=manifest.current if manifest.current != gen else None, updated_at=self.clock()
         )
@@ -399,18 +399,17 @@ class SnapshotStore:
             self._put(remaining)
         else:
             self._drop_manifest(key)
-        return freed
+        return self._unlink(self.path_for(manifest.server, rec.filename))
 
     def purge(self, key: str) -> int:
-        """Delete every file of a snapshot identity, then its manifest."""
+        """Drop a snapshot identity's manifest, then delete its files (same crash rule as above)."""
         manifest = self.get(key)
         if manifest is None:
             return 0
-        freed = sum(
+        self._drop_manifest(key)
+        return sum(
             self._unlink(self.path_for(manifest.server, r.filename)) for r in manifest.generations.values()
         )
-        self._drop_manifest(key)
-        return freed
 
     def _drop_manifest(self, key: str) -> None:
         try:

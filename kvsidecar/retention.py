@@ -1,0 +1,406 @@
+"""Retention (spec §43): a pure policy and the job that applies it.
+
+`plan()` is a pure function of (files, policy, disks, now): no I/O, no clock. It returns what to delete and
+why, in this order:
+
+1. junk, always: generations marked invalid, orphan files (ours by name, in no manifest, older than a grace
+   period), stale temp files;
+2. expired: every file of a snapshot unused for longer than `max_age_days`, oldest first;
+3. least recently used, only while a limit is exceeded (`max_total_bytes`, `max_sessions`, a free-disk
+   floor), until each holds with the low watermark: previous generations first, then whole snapshots.
+
+It never selects a file of a protected snapshot (resident in a slot, leased, being saved or restored) nor a
+file llama-server may be writing. `RetentionJob` gathers the inputs, calls `plan()`, deletes (files before
+manifests) and reports; `delete=False` in the config, or a dry run, only reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import psutil
+
+from kvsidecar.config import RetentionConfig
+from kvsidecar.errors import KvError
+from kvsidecar.logs import event
+from kvsidecar.metrics import Metrics
+from kvsidecar.store.atomic import TEMP_MARK
+from kvsidecar.store.naming import SNAPSHOT_FILE
+from kvsidecar.store.snapshots import SnapshotStore
+
+log = logging.getLogger("kvsidecar.retention")
+
+Kind = Literal["current", "previous", "invalid", "orphan", "temp"]
+Reason = Literal["invalid", "orphan", "temp", "expired", "lru_previous", "lru"]
+ORPHAN_GRACE_S = 600.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileInfo:
+    name: str
+    server: str
+    bytes: int
+    kind: Kind
+    last_used_at: float  # the snapshot's last use; the file's mtime for orphans and temp files
+    key: str | None = None  # snapshot identity; None for orphans and temp files
+    generation: str | None = None
+    protected: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Disk:
+    total_bytes: int
+    free_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy:
+    max_total_bytes: int | None = None
+    max_sessions: int | None = None
+    max_age_s: float | None = None
+    min_free_bytes: int | None = None
+    min_free_percent: float | None = None
+    low_watermark: float = 0.9
+    orphan_grace_s: float = ORPHAN_GRACE_S
+
+    @classmethod
+    def from_config(cls, cfg: RetentionConfig) -> Policy:
+        return cls(
+            max_total_bytes=cfg.max_total_bytes,
+            max_sessions=cfg.max_sessions,
+            max_age_s=cfg.max_age_days * 86400 if cfg.max_age_days is not None else None,
+            min_free_bytes=cfg.min_free_bytes,
+            min_free_percent=cfg.min_free_percent,
+            low_watermark=cfg.low_watermark,
+        )
+
+    def floor(self, disk: Disk) -> int | None:
+        floors = [f for f in (self.min_free_bytes,) if f is not None]
+        if self.min_free_percent is not None:
+            floors.append(math.ceil(disk.total_bytes * self.min_free_percent / 100))
+        return max(floors) if floors else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Deletion:
+    file: FileInfo
+    reason: Reason
+
+
+@dataclass(kw_only=True)
+class Plan:
+    deletions: list[Deletion] = field(default_factory=list)
+    bytes_before: int = 0
+    bytes_after: int = 0
+    sessions_before: int = 0
+    sessions_after: int = 0
+    unmet: list[str] = field(default_factory=list)  # limits still exceeded (only protected files left)
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(d.file.bytes for d in self.deletions)
+
+
+class _State:
+    """Usage while the plan is built: what is still kept. Every update is O(1), so a plan over 10,000
+    snapshots stays linear."""
+
+    def __init__(self, files: list[FileInfo], disks: dict[str, Disk]) -> None:
+        self.kept: dict[str, FileInfo] = {f"{f.server}/{f.name}": f for f in files}
+        self.free = {s: d.free_bytes for s, d in disks.items()}
+        self.total = sum(f.bytes for f in files)
+        self.by_key: dict[str, list[FileInfo]] = {}
+        self.live: dict[str, int] = {}  # key -> kept current/previous files
+        for f in files:
+            if f.key is not None:
+                self.by_key.setdefault(f.key, []).append(f)
+                if f.kind in ("current", "previous"):
+                    self.live[f.key] = self.live.get(f.key, 0) + 1
+
+    def has(self, f: FileInfo) -> bool:
+        return f"{f.server}/{f.name}" in self.kept
+
+    def remove(self, f: FileInfo, plan: Plan, reason: Reason) -> None:
+        del self.kept[f"{f.server}/{f.name}"]
+        self.total -= f.bytes
+        self.free[f.server] = self.free.get(f.server, 0) + f.bytes
+        if f.key is not None and f.kind in ("current", "previous"):
+            self.live[f.key] -= 1
+            if not self.live[f.key]:
+                del self.live[f.key]
+        plan.deletions.append(Deletion(file=f, reason=reason))
+
+    @property
+    def sessions(self) -> int:
+        return len(self.live)
+
+
+def plan(files: Iterable[FileInfo], policy: Policy, disks: dict[str, Disk], now: float) -> Plan:
+    """What to delete, and why. Pure: same inputs, same plan."""
+    ordered = sorted(files, key=lambda f: (f.last_used_at, f.name))
+    st = _State(ordered, disks)
+    out = Plan(bytes_before=st.total, sessions_before=st.sessions)
+    for f in ordered:  # 1. junk
+        if f.protected:
+            continue
+        if f.kind == "invalid" or (
+            f.kind in ("orphan", "temp") and now - f.last_used_at >= policy.orphan_grace_s
+        ):
+            st.remove(f, out, "invalid" if f.kind == "invalid" else f.kind)
+    if policy.max_age_s is not None:  # 2. expired, oldest first (ordered is by last use)
+        for f in ordered:
+            expired = f.key is not None and now - f.last_used_at > policy.max_age_s
+            if expired and not f.protected and st.has(f):
+                st.remove(f, out, "expired")
+    _lru(st, ordered, out, policy, disks)
+    out.bytes_after, out.sessions_after = st.total, st.sessions
+    return out
+
+
+def _over(st: _State, policy: Policy, disks: dict[str, Disk], *, target: bool) -> list[str]:
+    """Limits exceeded now (target=False: the limits themselves; True: with the low watermark)."""
+    lw = policy.low_watermark if target else 1.0
+    over = []
+    if policy.max_total_bytes is not None and st.total > policy.max_total_bytes * lw:
+        over.append("max_total_bytes")
+    if policy.max_sessions is not None and st.sessions > (
+        math.floor(policy.max_sessions * lw) if target else policy.max_sessions
+    ):
+        over.append("max_sessions")
+    for server, disk in disks.items():
+        floor = policy.floor(disk)
+        if floor is not None and st.free.get(server, disk.free_bytes) < (floor / lw):
+            over.append(f"min_free:{server}")
+    return over
+
+
+def _lru(st: _State, ordered: list[FileInfo], out: Plan, policy: Policy, disks: dict[str, Disk]) -> None:
+    """3. while a limit is exceeded: previous generations first, then whole snapshots, least recent first."""
+    if not _over(st, policy, disks, target=False):
+        return
+    for stage in ("previous", "current"):
+        for f in ordered:
+            over = _over(st, policy, disks, target=True)
+            if not over:
+                return
+            if f.protected or f.kind != stage or not st.has(f) or not _helps(f, over):
+                continue
+            if stage == "previous":
+                st.remove(f, out, "lru_previous")
+            else:  # a whole snapshot goes: its current and any previous generation
+                for g in st.by_key.get(f.key or "", [f]):
+                    if st.has(g):
+                        st.remove(g, out, "lru")
+    out.unmet = _over(st, policy, disks, target=False)
+
+
+def _helps(f: FileInfo, over: list[str]) -> bool:
+    """Would deleting f move an exceeded limit? A previous generation does not change the snapshot count."""
+    sessions = f.kind == "current" and "max_sessions" in over
+    return sessions or "max_total_bytes" in over or f"min_free:{f.server}" in over
+
+
+# the job ---------------------------------------------------------------------------------------------
+
+
+class RetentionJob:
+    """Gathers the inputs, applies the plan, logs each deletion with its reason, updates metrics."""
+
+    def __init__(
+        self,
+        *,
+        store: SnapshotStore,
+        config: RetentionConfig,
+        metrics: Metrics,
+        protected_keys: Callable[[], set[str]],
+        clock: Callable[[], float] = time.time,
+        disk_usage: Callable[[Path], Disk] | None = None,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.policy = Policy.from_config(config)
+        self.metrics = metrics
+        self.protected_keys = protected_keys
+        self.clock = clock
+        self.disk_usage = disk_usage or _psutil_disk
+        self._lock = asyncio.Lock()  # one pass at a time
+        self.last_report: dict[str, Any] | None = None
+
+    def inventory(self) -> tuple[list[FileInfo], dict[str, Disk]]:
+        protected = self.protected_keys()
+        inflight = {name for _, name in self.store.inflight()}
+        files: list[FileInfo] = []
+        referenced: set[tuple[str, str]] = set()
+        for m in self.store.all():
+            if m.server not in self.store.snapshot_dirs:
+                continue
+            for gen, rec in m.generations.items():
+                referenced.add((m.server, rec.filename))
+                kind: Kind = "invalid" if not rec.valid else "current" if gen == m.current else "previous"
+                files.append(
+                    FileInfo(
+                        name=rec.filename,
+                        server=m.server,
+                        bytes=rec.bytes,
+                        kind=kind,
+                        last_used_at=m.last_used_at,
+                        key=m.key,
+                        generation=gen,
+                        protected=m.key in protected or rec.filename in inflight,
+                    )
+                )
+        for server, directory in self.store.snapshot_dirs.items():
+            files += _loose_files(server, directory, referenced, inflight)
+        files += _loose_files("state", self.store.manifests_dir, set(), set(), temp_only=True)
+        disks = {s: self.disk_usage(d) for s, d in self.store.snapshot_dirs.items()}
+        return files, disks
+
+    def needs_run(self) -> bool:
+        """Cheap check after a save: is any limit exceeded right now?"""
+        files, disks = self.inventory()
+        return bool(_over(_State(files, disks), self.policy, disks, target=False))
+
+    async def run(self, *, dry_run: bool = False) -> dict[str, Any]:
+        async with self._lock:
+            files, disks = await asyncio.to_thread(self.inventory)
+            the_plan = plan(files, self.policy, disks, self.clock())
+            deleting = not dry_run and self.config.delete
+            done: list[dict[str, Any]] = []
+            for d in the_plan.deletions:
+                entry = _describe(d)
+                if deleting and d.file.key is not None and d.file.key in self.protected_keys():
+                    entry["deleted"], entry["skipped"] = False, "became active"
+                elif deleting:
+                    entry["deleted"] = await asyncio.to_thread(self._delete, d)
+                    if entry["deleted"]:
+                        self.metrics.gc_deleted.labels(d.reason).inc()
+                        self.metrics.gc_deleted_bytes.labels(d.reason).inc(d.file.bytes)
+                        event(
+                            log,
+                            logging.INFO,
+                            "kv.gc.deleted",
+                            file=d.file.name[:12],
+                            server=d.file.server,
+                            session=entry.get("snapshot"),
+                            bytes=d.file.bytes,
+                            reason=d.reason,
+                        )
+                done.append(entry)
+            report = {
+                "dry_run": not deleting,
+                "deletion_enabled": self.config.delete,
+                "deletions": done,
+                "freed_bytes": the_plan.freed_bytes if deleting else 0,
+                "planned_bytes": the_plan.freed_bytes,
+                "bytes_before": the_plan.bytes_before,
+                "bytes_after": the_plan.bytes_after,
+                "snapshots_before": the_plan.sessions_before,
+                "snapshots_after": the_plan.sessions_after,
+                "unmet": the_plan.unmet,
+                "policy": asdict(self.policy),
+            }
+            if the_plan.unmet:
+                event(
+                    log,
+                    logging.WARNING,
+                    "kv.gc.limit_unmet",
+                    limits=",".join(the_plan.unmet),
+                    hint="only protected (resident or busy) snapshots are left",
+                )
+            self.last_report = report
+            return report
+
+    def _delete(self, d: Deletion) -> bool:
+        f = d.file
+        try:
+            if f.key is not None and f.generation in ("a", "b"):
+                manifest = self.store.get(f.key)
+                if manifest is None or manifest.generation(f.generation) is None:  # type: ignore[arg-type]
+                    return False
+                self.store.delete_generation(f.key, f.generation)  # type: ignore[arg-type]
+                return True
+            return _unlink_loose(self.store, f)
+        except KvError as exc:
+            event(
+                log,
+                logging.WARNING,
+                "kv.gc.delete_failed",
+                file=f.name[:12],
+                code=exc.code,
+                error=exc.message,
+            )
+            return False
+
+
+def _describe(d: Deletion) -> dict[str, Any]:
+    return {
+        "file": d.file.name,
+        "server": d.file.server,
+        "bytes": d.file.bytes,
+        "reason": d.reason,
+        "kind": d.file.kind,
+        "generation": d.file.generation,
+        "snapshot": d.file.key[:8] if d.file.key else None,
+    }
+
+
+def _loose_files(
+    server: str,
+    directory: Path,
+    referenced: set[tuple[str, str]],
+    inflight: set[str],
+    *,
+    temp_only: bool = False,
+) -> list[FileInfo]:
+    """Our files that no manifest references: orphan snapshots (by name) and our own temp files."""
+    out = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory):
+            is_temp = entry.name.startswith(".") and TEMP_MARK in entry.name
+            is_orphan = (
+                not temp_only and SNAPSHOT_FILE.match(entry.name) and (server, entry.name) not in referenced
+            )
+            if not (is_temp or is_orphan) or entry.name in inflight:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                st = entry.stat(follow_symlinks=False)
+                out.append(
+                    FileInfo(
+                        name=entry.name,
+                        server=server,
+                        bytes=st.st_size,
+                        kind="temp" if is_temp else "orphan",
+                        last_used_at=st.st_mtime,
+                    )
+                )
+    return out
+
+
+def _unlink_loose(store: SnapshotStore, f: FileInfo) -> bool:
+    directory = store.manifests_dir if f.server == "state" else store.snapshot_dirs[f.server]
+    if f.kind == "orphan":  # recheck at the last moment: a save may have adopted it since the listing
+        m = SNAPSHOT_FILE.match(f.name)
+        manifest = store.get(m.group("key")) if m else None
+        if manifest is not None and any(r.filename == f.name for r in manifest.generations.values()):
+            return False
+        if f.name in {name for _, name in store.inflight()}:
+            return False
+    try:
+        (directory / f.name).unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _psutil_disk(path: Path) -> Disk:
+    usage = psutil.disk_usage(str(path))
+    return Disk(total_bytes=usage.total, free_bytes=usage.free)
