@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Annotated, Any, TypeVar
 
@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvsidecar import __version__
 from kvsidecar.coordinator.core import Coordinator, EventType, ReleaseStatus
+from kvsidecar.doctor import Doctor
 from kvsidecar.errors import (
     BadRequest,
     KvError,
@@ -211,6 +212,7 @@ def create_app(
     app.add_middleware(Guard, token=token, check_host=check_host, max_bytes=max_body_bytes)
     _install_routes(app, coordinator)
     _install_hot_path(app, coordinator)
+    _install_doctor(app, coordinator)
     if retention is not None:
         _install_gc(app, retention)
     return app
@@ -294,6 +296,22 @@ def _install_routes(app: FastAPI, coordinator: Coordinator) -> None:
         return await coordinator.purge(validate_session_id(session_id))
 
     _install_view_routes(app, coordinator)
+
+
+def _install_doctor(app: FastAPI, coordinator: Coordinator) -> None:
+    @app.get("/v1/doctor")
+    async def doctor(deep: bool = False) -> dict[str, Any]:
+        """Spec §48 checks for every server; `deep` runs a save/erase/restore round trip on a held slot."""
+        reports = []
+        for name, srv in coordinator.servers.items():
+
+            async def hold(fn: Callable[[int], Awaitable[Any]], name: str = name) -> Any:
+                return await coordinator.with_slot(name, fn)
+
+            doc = Doctor(config=coordinator.config, server=name, backend=srv.backend, hold_slot=hold)
+            reports.append((await doc.run(deep=deep)).to_dict())
+        order = ["READY", "DEGRADED", "NOT READY"]
+        return {"result": max((r["result"] for r in reports), key=order.index), "servers": reports}
 
 
 def _install_gc(app: FastAPI, retention: RetentionJob) -> None:

@@ -1,60 +1,380 @@
-"""The `kvsidecar` command: a thin adapter over the service and the client."""
+"""The `kvsidecar` command: a thin adapter over the service, the client, the store and the doctor.
+
+Exit codes: 0 success (doctor: READY); 1 the operation failed (doctor: NOT READY); 2 bad usage or
+configuration; 3 the daemon is not reachable; 4 doctor says DEGRADED.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
+import shutil
+import socket
 import sys
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
 
 from kvsidecar import __version__
 from kvsidecar.config import Config, load_config
 from kvsidecar.errors import KvError
 from kvsidecar.logs import configure
 
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_DEGRADED = 0, 1, 2, 3, 4
+
+
+class Unreachable(Exception):
+    pass
+
 
 def _load(args: argparse.Namespace) -> Config:
     return load_config(args.config)
 
 
+def table(rows: Sequence[Sequence[Any]], head: Sequence[str]) -> str:
+    cells = [[str(h) for h in head]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+# talking to the daemon -------------------------------------------------------------------------------
+def _call(config: Config, method: str, path: str, **kwargs: Any) -> Any:
+    from kvsidecar.service import read_token
+
+    token = read_token(config)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if config.api.unix_socket is not None and Path(config.api.unix_socket).exists():
+        transport = httpx.HTTPTransport(uds=str(config.api.unix_socket))
+        base = "http://localhost"
+    else:
+        transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        base = f"http://{config.api.listen}"
+    try:
+        with httpx.Client(base_url=base, headers=headers, transport=transport, timeout=600) as client:
+            response = client.request(method, path, **kwargs)
+    except httpx.TransportError as exc:
+        raise Unreachable(f"kvsidecar is not reachable at {base} ({exc})") from None
+    data = (
+        response.json() if response.headers.get("content-type", "").startswith("application/json") else None
+    )
+    if response.status_code >= 400:
+        err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
+        raise RuntimeError(
+            f"{err.get('code', response.status_code)}: {err.get('message', response.text[:200])}"
+        )
+    return data
+
+
+def _emit(args: argparse.Namespace, data: Any, render: Callable[[Any], str]) -> None:
+    print(json.dumps(data, indent=2, default=str) if args.json else render(data))
+
+
+# commands ---------------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvsidecar.service import serve
 
     config = _load(args)
     configure(config.logging.level, config.logging.format)
+    config_path = args.config or Path(os.environ.get("KVSIDECAR_CONFIG", "/etc/kvsidecar/config.yaml"))
     try:
         import uvloop
 
-        uvloop.run(serve(config))  # about a third less CPU per hook call than the default loop
+        uvloop.run(serve(config, config_path=config_path))  # about a third less CPU per hook call
     except ImportError:
-        asyncio.run(serve(config))
-    return 0
+        asyncio.run(serve(config, config_path=config_path))
+    return EXIT_OK
+
+
+def cmd_wait_ready(args: argparse.Namespace) -> int:
+    config = _load(args)
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        try:
+            _call(config, "GET", "/healthz")
+            return EXIT_OK
+        except Unreachable:
+            time.sleep(0.2)
+    print(f"kvsidecar: not ready after {args.timeout}s", file=sys.stderr)
+    return EXIT_UNREACHABLE
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
     config = _load(args)
     print(json.dumps(config.model_dump(mode="json"), indent=2) if args.json else "config OK")
-    return 0
+    return EXIT_OK
+
+
+def _render_status(s: dict[str, Any]) -> str:
+    out = []
+    for srv in s["servers"]:
+        out.append(
+            f"server {srv['name']} ({srv['endpoint']}): {'up' if srv['available'] else 'DOWN'}, "
+            f"persistence {srv['persistence']}, mode {srv['mode']}"
+        )
+        out.append(
+            table(
+                [[sl["id"], sl["state"], sl["owner"], sl["tokens"]] for sl in srv["slots"]],
+                ["slot", "state", "owner", "tokens"],
+            )
+        )
+    snap = s["snapshots"]
+    out.append(
+        f"snapshots: {snap['known']} known, {snap['valid']} valid, {snap['invalid']} invalid, "
+        f"{human_bytes(snap['bytes'])}; leases open: {s['leases']}"
+    )
+    st = s["stats"]
+    out.append(
+        f"acquires {st['acquires']} (resident {st['resident']}), "
+        f"restores {st['restore_hits']}/{st['restores']} ok, cold {st['cold_starts']}, "
+        f"fallbacks {st['cold_fallbacks']}, saves {st['saves']}"
+        f" ({st['save_failures']} failed), ineffective restores {st['restore_ineffective']}"
+    )
+    return "\n".join(out)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from kvsidecar.client import KvSidecarClient
-    from kvsidecar.service import read_token
+    _emit(args, _call(_load(args), "GET", "/v1/status"), _render_status)
+    return EXIT_OK
+
+
+def _offline_sessions(config: Config) -> list[dict[str, Any]]:
+    from kvsidecar.store.snapshots import SnapshotStore
+
+    store = SnapshotStore(
+        state_dir=config.state_dir, snapshot_dirs={n: s.snapshot_dir for n, s in config.servers.items()}
+    )
+    store.load_readonly()
+    return [
+        {
+            "session": m.identity.short,
+            "provider": m.provider,
+            "model": m.model,
+            "server": m.server,
+            "state": "saved" if m.has_valid else "invalid",
+            "resident_slot": None,
+            "snapshot": {"current": m.current, "bytes": m.total_bytes, "updated_at": m.updated_at},
+        }
+        for m in sorted(store.all(), key=lambda m: m.updated_at)
+    ]
+
+
+def _render_sessions(views: list[dict[str, Any]]) -> str:
+    rows = []
+    for v in views:
+        snap = v.get("snapshot") or {}
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(snap["updated_at"])) if snap else ""
+        rows.append(
+            [
+                v["session"],
+                v["provider"],
+                v["model"],
+                v["state"],
+                v.get("resident_slot"),
+                human_bytes(snap.get("bytes", 0)) if snap else "",
+                when,
+            ]
+        )
+    return (
+        table(rows, ["session", "provider", "model", "state", "slot", "snapshot", "saved"])
+        if rows
+        else "no sessions"
+    )
+
+
+def cmd_sessions(args: argparse.Namespace) -> int:
+    config = _load(args)
+    try:
+        views = (
+            _offline_sessions(config) if args.offline else _call(config, "GET", "/v1/sessions")["sessions"]
+        )
+    except Unreachable:
+        print("kvsidecar: daemon not reachable; listing the state directory instead", file=sys.stderr)
+        views = _offline_sessions(config)
+    _emit(args, views, _render_sessions)
+    return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    data = _call(_load(args), "GET", f"/v1/sessions/{args.session}")
+    _emit(args, data, lambda d: json.dumps(d, indent=2, default=str))
+    return EXIT_OK
+
+
+def cmd_session_op(args: argparse.Namespace) -> int:
+    config = _load(args)
+    if args.command == "purge":
+        data = _call(config, "DELETE", f"/v1/sessions/{args.session}")
+    elif args.command == "restore":
+        data = _call(
+            config,
+            "POST",
+            f"/v1/sessions/{args.session}/restore",
+            json={"provider": args.provider, "model": args.model},
+        )
+    else:
+        data = _call(config, "POST", f"/v1/sessions/{args.session}/{args.command}")
+    _emit(args, data, lambda d: ", ".join(f"{k}: {v}" for k, v in d.items()))
+    return EXIT_OK
+
+
+def _render_gc(r: dict[str, Any]) -> str:
+    rows = [
+        [
+            d["reason"],
+            d["snapshot"] or "-",
+            d["generation"] or "-",
+            human_bytes(d["bytes"]),
+            d["file"][:24],
+            {True: "deleted", False: "kept"}.get(d.get("deleted"), "planned"),
+        ]
+        for d in r["deletions"]
+    ]
+    head = "dry run: nothing deleted" if r["dry_run"] else f"freed {human_bytes(r['freed_bytes'])}"
+    lines = [
+        table(rows, ["reason", "snapshot", "gen", "bytes", "file", "action"])
+        if rows
+        else "nothing to delete",
+        f"{head}; {human_bytes(r['bytes_before'])} -> {human_bytes(r['bytes_after'])}, "
+        f"{r['snapshots_before']} -> {r['snapshots_after']} snapshots",
+    ]
+    if r["unmet"]:
+        lines.append(f"still over: {', '.join(r['unmet'])} (only protected snapshots left)")
+    return "\n".join(lines)
+
+
+def _offline_gc(config: Config) -> dict[str, Any]:
+    from kvsidecar.metrics import Metrics
+    from kvsidecar.retention import RetentionJob
+    from kvsidecar.store.snapshots import SnapshotStore
+
+    store = SnapshotStore(
+        state_dir=config.state_dir, snapshot_dirs={n: s.snapshot_dir for n, s in config.servers.items()}
+    )
+    store.load_readonly()
+    job = RetentionJob(store=store, config=config.retention, metrics=Metrics(), protected_keys=set)
+    return asyncio.run(job.run(dry_run=True))
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    config = _load(args)
+    if args.offline:
+        if not args.dry_run:
+            print("kvsidecar: offline gc is always a dry run (the daemon owns deletion)", file=sys.stderr)
+        report = _offline_gc(config)
+    else:
+        report = _call(config, "POST", "/v1/gc", params={"dry_run": str(args.dry_run).lower()})
+    _emit(args, report, _render_gc)
+    return EXIT_OK
+
+
+def _render_doctor(d: dict[str, Any]) -> str:
+    out = []
+    for srv in d["servers"]:
+        out.append(f"server {srv['server']} ({srv['endpoint']})")
+        for c in srv["checks"]:
+            out.append(f"  {c['status']:<4}  {c['name']}: {c['detail']}")
+            if c["fix"] and c["status"] in ("WARN", "FAIL"):
+                out.append(f"        fix: {c['fix']}")
+    out.append(f"Result: {d['result']}")
+    return "\n".join(out)
+
+
+def _offline_doctor(config: Config, deep: bool) -> dict[str, Any]:
+    from kvsidecar.backend.llamacpp import LlamaCppBackend
+    from kvsidecar.doctor import Doctor
+
+    async def run() -> dict[str, Any]:
+        reports = []
+        for name, server in config.servers.items():
+            backend = LlamaCppBackend.from_config(server)
+            try:
+                reports.append(
+                    (await Doctor(config=config, server=name, backend=backend).run(deep=deep)).to_dict()
+                )
+            finally:
+                await backend.aclose()
+        order = ["READY", "DEGRADED", "NOT READY"]
+        return {"result": max((r["result"] for r in reports), key=order.index), "servers": reports}
+
+    return asyncio.run(run())
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    config = _load(args)
+    try:
+        if args.offline:
+            raise Unreachable("offline")
+        data = _call(config, "GET", "/v1/doctor", params={"deep": str(args.deep).lower()})
+    except Unreachable:
+        data = _offline_doctor(config, args.deep)  # no daemon: nothing else holds the slot
+    _emit(args, data, _render_doctor)
+    return {"READY": EXIT_OK, "DEGRADED": EXIT_DEGRADED}.get(data["result"], EXIT_FAILED)
+
+
+def cmd_install_systemd(args: argparse.Namespace) -> int:
+    from kvsidecar.units import UNITS, UnitParams, render
 
     config = _load(args)
-
-    async def run() -> dict[str, object]:
-        async with KvSidecarClient(f"http://{config.api.listen}", token=read_token(config)) as kv:
-            return await kv.status()
-
-    print(json.dumps(asyncio.run(run()), indent=2))
-    return 0
+    server = next(iter(config.servers.values()))
+    exe = shutil.which("kvsidecar") or str(Path(sys.executable).with_name("kvsidecar"))
+    stop_s = int(config.checkpoint.shutdown_timeout_s + 30)
+    params = UnitParams(
+        user=args.user,
+        llama_user=args.llama_user,
+        group=args.group,
+        kvsidecar=args.kvsidecar or exe,
+        config=str(Path(args.config_path or args.config or "/etc/kvsidecar/config.yaml").resolve()),
+        state_dir=str(config.state_dir),
+        snapshot_dir=str(server.snapshot_dir),
+        llama_server=args.llama_server,
+        model=args.model,
+        llama_port=urlsplit(server.base_url).port or 8080,
+        stop_timeout_s=stop_s,
+    )
+    for path in (params.state_dir, params.snapshot_dir):
+        if path.startswith(("/home/", "/root/")):
+            print(
+                f"warning: {path} is under a home directory, which the unit hides (ProtectHome=yes); "
+                "use /var/lib/kvsidecar/... in the config",
+                file=sys.stderr,
+            )
+    dest = Path(args.dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in UNITS:
+        (dest / name).write_text(render(name, params))
+        print(f"wrote {dest / name}")
+    print(
+        f"next: create users {params.user} and {params.llama_user} sharing group {params.group}; "
+        f"mkdir -p {params.state_dir} {params.snapshot_dir}; "
+        f"chown {params.user}:{params.group} {params.state_dir}; "
+        f"chown {params.llama_user}:{params.group} {params.snapshot_dir}; chmod 2770 {params.snapshot_dir}; "
+        "systemctl daemon-reload && systemctl enable --now llama-server kvsidecar"
+    )
+    return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvsidecar", description="KV-cache persistence daemon for llama-server"
+        prog="kvsidecar",
+        description="KV-cache persistence daemon for llama-server.",
+        epilog="Exit codes: 0 ok (READY), 1 failed (NOT READY), 2 usage/config error, 3 daemon unreachable, "
+        "4 DEGRADED.",
     )
     parser.add_argument("--version", action="version", version=f"kvsidecar {__version__}")
     parser.add_argument(
@@ -64,21 +384,73 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="config file (default: $KVSIDECAR_CONFIG or /etc/kvsidecar/config.yaml)",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("serve", help="run the daemon").set_defaults(func=cmd_serve)
-    p = sub.add_parser("status", help="the running daemon's status")
-    p.set_defaults(func=cmd_status)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(
+        name: str, func: Callable[[argparse.Namespace], int], help_: str, *, json_: bool = True
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(func=func)
+        if json_:
+            p.add_argument("--json", action="store_true", help="machine-readable output")
+        return p
+
+    add(
+        "serve",
+        cmd_serve,
+        "run the daemon (SIGTERM: checkpoint and exit; SIGHUP: reload config)",
+        json_=False,
+    )
+    add("status", cmd_status, "the running daemon's servers, slots, snapshots and counters")
+    p = add("sessions", cmd_sessions, "list known sessions (abbreviated ids)")
+    p.add_argument("--offline", action="store_true", help="read the state directory, not the daemon")
+    add("show", cmd_show, "one session in detail").add_argument("session")
+    for op, help_ in (
+        ("save", "checkpoint a session now"),
+        ("invalidate", "mark a session's snapshots unusable"),
+        ("purge", "delete a session's snapshots and manifests"),
+    ):
+        add(op, cmd_session_op, help_).add_argument("session")
+    p = add("restore", cmd_session_op, "bring a session into its slot now")
+    p.add_argument("session")
+    p.add_argument("--provider", required=True)
+    p.add_argument("--model", required=True)
+    p = add("gc", cmd_gc, "apply retention now (or plan it with --dry-run)")
+    p.add_argument("--dry-run", action="store_true", help="show the plan, delete nothing")
+    p.add_argument("--offline", action="store_true", help="plan from the state directory without the daemon")
+    p = add("doctor", cmd_doctor, "check the llama-server set-up: READY / DEGRADED / NOT READY")
+    p.add_argument(
+        "--deep", action="store_true", help="also save, erase, restore and confirm the engine reuses it"
+    )
+    p.add_argument("--offline", action="store_true", help="check directly, without asking the daemon")
     cfg = sub.add_parser("config", help="configuration commands").add_subparsers(
         dest="config_command", required=True
     )
-    check = cfg.add_parser("check", help="validate the config file")
+    check = cfg.add_parser("check", help="validate the config file and name any bad key")
     check.add_argument("--json", action="store_true", help="print the effective configuration")
     check.set_defaults(func=cmd_config_check)
+    p = add(
+        "install-systemd",
+        cmd_install_systemd,
+        "render systemd units for kvsidecar and llama-server",
+        json_=False,
+    )
+    p.add_argument("--dest", default="/etc/systemd/system")
+    p.add_argument("--user", default="kvsidecar")
+    p.add_argument("--llama-user", default="llama")
+    p.add_argument("--group", default="llama", help="group shared by both services (snapshot files)")
+    p.add_argument("--kvsidecar", help="path of the kvsidecar executable (default: this one)")
+    p.add_argument("--config-path", help="config path the unit passes (default: --config)")
+    p.add_argument("--llama-server", default="/usr/local/bin/llama-server")
+    p.add_argument("--model", default="/var/lib/llama/models/model.gguf")
+    p = add("wait-ready", cmd_wait_ready, "wait until the daemon answers (systemd readiness)", json_=False)
+    p.add_argument("--timeout", type=float, default=30.0)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         code: int = args.func(args)
         return code
@@ -86,6 +458,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvsidecar: {exc.code}: {exc.message}", file=sys.stderr)
         if exc.hint:
             print(f"  hint: {exc.hint}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE if exc.code == "KV_CONFIG_INVALID" else EXIT_FAILED
+    except Unreachable as exc:
+        print(f"kvsidecar: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except RuntimeError as exc:
+        print(f"kvsidecar: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         return 130

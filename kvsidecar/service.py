@@ -12,6 +12,7 @@ import contextlib
 import ipaddress
 import logging
 import os
+import signal
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,13 +24,13 @@ from fastapi import FastAPI
 from kvsidecar.api import create_app
 from kvsidecar.backend.base import KvBackend
 from kvsidecar.backend.llamacpp import LlamaCppBackend
-from kvsidecar.config import Config
+from kvsidecar.config import Config, load_config
 from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.coordinator.server import ProcessFinder
 from kvsidecar.errors import ConfigError
 from kvsidecar.logs import event
 from kvsidecar.metrics import Metrics
-from kvsidecar.retention import RetentionJob
+from kvsidecar.retention import Policy, RetentionJob
 from kvsidecar.store.fingerprint import FileDigestCache, find_llama_process
 from kvsidecar.store.snapshots import SnapshotStore
 from kvsidecar.store.watcher import SnapshotWatcher
@@ -67,8 +68,10 @@ class Daemon:
         backends: dict[str, KvBackend] | None = None,
         process_finder: ProcessFinder | None = find_llama_process,
         watch: bool = True,
+        config_path: Path | None = None,
     ) -> None:
         self.config = config
+        self.config_path = config_path
         self.metrics = Metrics()
         self.store = SnapshotStore(
             state_dir=config.state_dir,
@@ -111,6 +114,8 @@ class Daemon:
             ms=round(report.elapsed_ms, 1),
         )
         await self.coordinator.start()
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not on the main thread (tests)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
         self.coordinator.scheduler.add_job(
             self._gc,
             "interval",
@@ -126,6 +131,23 @@ class Daemon:
                 on_invalid=lambda _s, _f, reason: self.metrics.invalidated.labels(reason).inc(),
             )
             self.watcher.start()
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the config file; apply what is safe live (checkpoint, restore, failure,
+        retention, logging), log what needs a restart (servers, routes, api, state_dir)."""
+        try:
+            config = load_config(self.config_path)
+        except ConfigError as exc:
+            event(log, logging.ERROR, "kv.config.reload_failed", error=exc.message)
+            return
+        restart = self.coordinator.reconfigure(config)
+        if restart:
+            event(log, logging.WARNING, "kv.config.reload_partial", needs_restart=",".join(restart))
+            return
+        self.config = config
+        self.retention.config, self.retention.policy = config.retention, Policy.from_config(config.retention)
+        logging.getLogger("kvsidecar").setLevel(config.logging.level.upper())
+        event(log, logging.INFO, "kv.config.reloaded")
 
     async def _gc(self) -> None:
         try:

@@ -890,6 +890,30 @@ class Coordinator:
             freed += await asyncio.to_thread(self.store.purge, rt.key)
         return {"purged": len(found), "bytes_freed": freed}
 
+    async def with_slot(self, server: str, fn: Callable[[int], Awaitable[T]]) -> T:
+        """Run fn(slot_id) holding a slot of `server` as an auxiliary request (doctor's probes): the
+        owner is checkpointed first and the next session request restores as usual."""
+        result = await self._acquire_slot(self.servers[server], None, seq=None)
+        assert result.lease_id is not None and result.slot_id is not None
+        try:
+            return await fn(result.slot_id)
+        finally:
+            await self.release(result.lease_id, status="aborted")
+
+    def reconfigure(self, config: Config) -> list[str]:
+        """SIGHUP: apply what is safe to change live; name what needs a restart."""
+        needs_restart = [
+            k
+            for k in ("servers", "routes", "api", "state_dir")
+            if getattr(config, k) != getattr(self.config, k)
+        ]
+        if not needs_restart:
+            self.config = config
+            for srv in self.servers.values():
+                srv.breaker.max_consecutive_failures = config.failure.max_consecutive_failures
+                srv.breaker.base_cooldown_s = config.failure.cooldown_s
+        return needs_restart
+
     @contextlib.contextmanager
     def _busy(self, key: str) -> Any:
         self._busy_keys[key] = self._busy_keys.get(key, 0) + 1

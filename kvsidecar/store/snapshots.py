@@ -116,9 +116,15 @@ class SnapshotStore:
         report.elapsed_ms = (time.perf_counter() - started) * 1000
         return report
 
+    def load_readonly(self) -> None:
+        """Load the manifests for a read-only look (CLI offline): no sweep, no reconcile, no writes."""
+        self._load(ReconcileReport())
+
     def _load(self, report: ReconcileReport) -> None:
         loaded: dict[str, Manifest] = {}
         bad: dict[str, str] = {}
+        if not self.manifests_dir.is_dir():
+            return
         for entry in os.scandir(self.manifests_dir):
             if not entry.name.endswith(".json") or entry.name.startswith("."):
                 continue

@@ -1,0 +1,359 @@
+"""`doctor` (spec §34, §48, §61): is this llama-server set up so that kvsidecar can help, and does a restore
+really get reused? Each check says OK / WARN / FAIL / SKIP with a one-line fix; the result is READY,
+DEGRADED (works, but something costs speed or safety) or NOT READY.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import psutil
+
+from kvsidecar.backend.base import BackendCapabilities, BackendSlot, KvBackend
+from kvsidecar.config import Config, Mode, ServerConfig
+from kvsidecar.errors import KvError
+from kvsidecar.gguf_meta import GgufError, read_metadata, sliding_window
+from kvsidecar.store.atomic import atomic_write_bytes
+from kvsidecar.store.fingerprint import ProcessInfo, find_llama_process
+
+Status = Literal["OK", "WARN", "FAIL", "SKIP"]
+# Runs `fn(slot_id)` while the slot is held exclusively (in the daemon: an auxiliary lease).
+SlotHolder = Callable[[Callable[[int], Awaitable[Any]]], Awaitable[Any]]
+
+
+@dataclass(kw_only=True)
+class Check:
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+@dataclass(kw_only=True)
+class DoctorReport:
+    server: str
+    endpoint: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def result(self) -> str:
+        statuses = {c.status for c in self.checks}
+        return "NOT READY" if "FAIL" in statuses else "DEGRADED" if "WARN" in statuses else "READY"
+
+    def add(self, name: str, status: Status, detail: str, fix: str = "") -> None:
+        self.checks.append(Check(name=name, status=status, detail=detail, fix=fix))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "server": self.server,
+            "endpoint": self.endpoint,
+            "result": self.result,
+            "checks": [asdict(c) for c in self.checks],
+        }
+
+
+def _same_dir(a: str | Path, b: str | Path) -> bool:
+    return os.path.realpath(os.path.expanduser(str(a))) == os.path.realpath(os.path.expanduser(str(b)))
+
+
+class Doctor:
+    def __init__(
+        self,
+        *,
+        config: Config,
+        server: str,
+        backend: KvBackend,
+        process_finder: Callable[[str], ProcessInfo | None] = find_llama_process,
+        hold_slot: SlotHolder | None = None,
+    ) -> None:
+        self.config = config
+        self.name = server
+        self.server: ServerConfig = config.servers[server]
+        self.backend = backend
+        self.process_finder = process_finder
+        self.hold_slot = hold_slot
+
+    async def run(self, *, deep: bool = False) -> DoctorReport:
+        report = DoctorReport(server=self.name, endpoint=self.server.base_url)
+        caps = await self._reachable(report)
+        self._metadata(report)
+        self._disk(report)
+        if caps is None:
+            return report
+        slots = await self._slots(report, caps)
+        process = self.process_finder(self.server.base_url)
+        self._process(report, caps, process)
+        await self._save_path(report, process, slots, deep=deep)
+        if deep:
+            await self._deep(report)
+        return report
+
+    async def _reachable(self, report: DoctorReport) -> BackendCapabilities | None:
+        try:
+            caps = await self.backend.probe()
+        except KvError as exc:
+            report.add(
+                "server reachable",
+                "FAIL",
+                exc.message,
+                f"start llama-server or fix servers.{self.name}.base_url",
+            )
+            return None
+        report.add(
+            "server reachable",
+            "OK",
+            f"{caps.kind}, model {Path(caps.model_path or '?').name}, "
+            f"build {caps.build_info}, {caps.total_slots} slot(s), n_ctx {caps.n_ctx}",
+        )
+        return caps
+
+    async def _slots(self, report: DoctorReport, caps: BackendCapabilities) -> list[BackendSlot]:
+        if not caps.slots_endpoint:
+            report.add("/slots endpoint", "FAIL", "GET /slots is disabled", "start llama-server with --slots")
+            return []
+        slots = await self.backend.inspect_slots()
+        ids = [s.id for s in slots]
+        if self.server.mode is Mode.SINGLE_SLOT:
+            if self.server.slot_id not in ids:
+                report.add(
+                    "slot geometry",
+                    "FAIL",
+                    f"slot {self.server.slot_id} not in {ids}",
+                    f"set servers.{self.name}.slot_id to one of {ids}",
+                )
+            elif len(ids) > 1:
+                report.add(
+                    "slot geometry",
+                    "WARN",
+                    f"single-slot mode uses slot {self.server.slot_id} of {len(ids)}",
+                    "use mode: managed-slots, or run llama-server with --parallel 1",
+                )
+            else:
+                report.add("slot geometry", "OK", "single slot, as configured")
+        else:
+            report.add(
+                "slot geometry",
+                "OK" if len(ids) > 1 else "WARN",
+                f"managed-slots over {len(ids)} slot(s)",
+                "" if len(ids) > 1 else "run llama-server with --parallel N (N > 1)",
+            )
+        return slots
+
+    def _process(self, report: DoctorReport, caps: BackendCapabilities, process: ProcessInfo | None) -> None:
+        if process is None:
+            report.add(
+                "llama-server process",
+                "WARN",
+                "not found on this host: its flags cannot be checked",
+                f"if the server is remote, set servers.{self.name}.runtime_key and bump it on every change",
+            )
+            return
+        flags = process.flags
+        report.add(
+            "llama-server process",
+            "OK",
+            f"pid {process.pid}; cache k/v {flags.get('cache_type_k', 'f16')}/"
+            f"{flags.get('cache_type_v', 'f16')}, flash-attn {flags.get('flash_attn', 'auto')}, "
+            f"kv-unified {flags.get('kv_unified', 'off')} (all part of the snapshot fingerprint)",
+        )
+        self._swa(report, caps, flags)
+        if flags.get("kv_unified") == "on" and flags.get("no_cache_idle_slots") != "on":
+            report.add(
+                "idle slot cache",
+                "WARN",
+                "--kv-unified with idle-slot caching clears a just-restored slot when another task starts",
+                "add --no-cache-idle-slots",
+            )
+        cache_ram = flags.get("cache_ram", "8192")
+        report.add(
+            "RAM prompt cache",
+            "OK",
+            f"--cache-ram {cache_ram} MiB: recent switches may be served from RAM; "
+            "kvsidecar covers restarts, eviction and the disk quota"
+            if cache_ram != "0"
+            else "--cache-ram 0: every warm start comes from kvsidecar's snapshots",
+        )
+
+    def _swa(self, report: DoctorReport, caps: BackendCapabilities, flags: dict[str, str]) -> None:
+        try:
+            window = sliding_window(read_metadata(Path(caps.model_path or "")))
+        except (OSError, GgufError) as exc:
+            report.add("sliding-window attention", "SKIP", f"cannot read the model's metadata ({exc})")
+            return
+        if window is None:
+            report.add("sliding-window attention", "OK", "the model has no sliding-window layers")
+        elif flags.get("swa_full") == "on":
+            report.add("sliding-window attention", "OK", f"SWA model (window {window}) with --swa-full")
+        else:
+            report.add(
+                "sliding-window attention",
+                "WARN",
+                f"SWA model (window {window}) without --swa-full: a restore "
+                "answers 200 and the engine then recomputes everything",
+                "add --swa-full to llama-server",
+            )
+
+    async def _save_path(
+        self, report: DoctorReport, process: ProcessInfo | None, slots: list[BackendSlot], *, deep: bool
+    ) -> None:
+        ours = self.server.snapshot_dir
+        if process is not None:
+            theirs = process.flags.get("slot_save_path")
+            if not theirs:
+                report.add(
+                    "--slot-save-path",
+                    "FAIL",
+                    "llama-server runs without --slot-save-path",
+                    f"add --slot-save-path {ours}",
+                )
+                return
+            if not _same_dir(theirs, ours):
+                report.add(
+                    "--slot-save-path",
+                    "FAIL",
+                    f"llama-server saves into {theirs} but kvsidecar manages {ours}",
+                    f"make servers.{self.name}.snapshot_dir and --slot-save-path the same directory",
+                )
+                return
+        slot = next((s for s in slots if s.id == self.server.slot_id), slots[0] if slots else None)
+        idle = slot is not None and not slot.is_processing and not slot.n_tokens
+        if slot is None or not (idle or deep or self.hold_slot is not None):
+            report.add(
+                "--slot-save-path",
+                "OK" if process else "SKIP",
+                "same directory (from the command line)"
+                if process
+                else "slot in use: the save probe needs an idle slot or --deep",
+            )
+            return
+        await self._probe_save(report, slot.id)
+
+    async def _probe_save(self, report: DoctorReport, slot_id: int) -> None:
+        name = f"kvsidecar-doctor-{secrets.token_hex(6)}.bin"
+        path = self.server.snapshot_dir / name
+
+        async def probe(sid: int) -> None:
+            await self.backend.save_slot(sid, name)
+
+        try:
+            await (self.hold_slot(probe) if self.hold_slot else probe(slot_id))
+        except KvError as exc:
+            report.add("--slot-save-path", "FAIL", f"save probe failed: {exc.message}", exc.hint)
+            return
+        if path.exists():
+            path.unlink()
+            report.add("--slot-save-path", "OK", f"a probe save appeared in {self.server.snapshot_dir}")
+        else:
+            report.add(
+                "--slot-save-path",
+                "FAIL",
+                f"the server saved {name} somewhere else than {self.server.snapshot_dir}",
+                f"make servers.{self.name}.snapshot_dir and --slot-save-path the same directory",
+            )
+
+    def _metadata(self, report: DoctorReport) -> None:
+        probe = self.config.state_dir / f".doctor.tmp-{secrets.token_hex(4)}"
+        try:
+            self.config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            atomic_write_bytes(probe, b"ok")
+            probe.unlink()
+            report.add("state directory", "OK", f"{self.config.state_dir} is writable")
+        except OSError as exc:
+            report.add(
+                "state directory",
+                "FAIL",
+                f"{self.config.state_dir}: {exc.strerror}",
+                "create it and give kvsidecar's user write access",
+            )
+
+    def _disk(self, report: DoctorReport) -> None:
+        directory = self.server.snapshot_dir
+        try:
+            usage = psutil.disk_usage(str(directory if directory.exists() else directory.parent))
+        except OSError as exc:
+            report.add("disk", "WARN", f"cannot read disk usage of {directory}: {exc.strerror}")
+            return
+        r = self.config.retention
+        floor = max(
+            [v for v in (r.min_free_bytes, int(usage.total * (r.min_free_percent or 0) / 100)) if v] or [0]
+        )
+        detail = f"{usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB"
+        if floor and usage.free < floor:
+            report.add(
+                "disk",
+                "WARN",
+                f"{detail}: under the free-space floor ({floor / 2**30:.1f} GiB)",
+                "free space, or lower retention.min_free_*: retention will delete snapshots to get there",
+            )
+        elif r.max_total_bytes and r.max_total_bytes > usage.free:
+            report.add(
+                "disk",
+                "WARN",
+                f"{detail}: retention.max_total_bytes ({r.max_total_bytes / 2**30:.1f} GiB) "
+                "is more than is free",
+                "lower retention.max_total_bytes",
+            )
+        else:
+            report.add("disk", "OK", detail)
+
+    async def _deep(self, report: DoctorReport) -> None:
+        """Spec §61: cold prompt, save, erase, restore, identical prompt, confirm reuse from cache_n."""
+
+        async def run(slot_id: int) -> tuple[int, int, int]:
+            name = f"kvsidecar-doctor-{secrets.token_hex(6)}.bin"
+            prompt = " ".join(f"doctor{i} probe" for i in range(150))
+            async with httpx.AsyncClient(base_url=self.server.base_url, timeout=300) as http:
+
+                async def complete() -> dict[str, Any]:
+                    body = {
+                        "prompt": prompt,
+                        "n_predict": 1,
+                        "cache_prompt": True,
+                        "id_slot": slot_id,
+                        "temperature": 0,
+                    }
+                    r = await http.post("/completion", json=body)
+                    r.raise_for_status()
+                    return dict(r.json()["timings"])
+
+                await self.backend.erase_slot(slot_id)
+                await complete()
+                saved = await self.backend.save_slot(slot_id, name)
+                try:
+                    await self.backend.erase_slot(slot_id)
+                    await self.backend.restore_slot(slot_id, name)
+                    again = await complete()
+                finally:
+                    with contextlib.suppress(OSError):
+                        (self.server.snapshot_dir / name).unlink()
+                return saved.tokens, int(again.get("cache_n", 0)), int(again.get("prompt_n", 0))
+
+        try:
+            saved, reused, computed = await (
+                self.hold_slot(run) if self.hold_slot else run(self.server.slot_id)
+            )
+        except (KvError, httpx.HTTPError) as exc:
+            report.add("restore reuse (deep)", "FAIL", f"the round trip failed: {exc}")
+            return
+        if saved and reused >= 0.9 * (saved - 2):
+            report.add(
+                "restore reuse (deep)",
+                "OK",
+                f"saved {saved} tokens; after erase+restore the engine reused "
+                f"{reused} and computed {computed}",
+            )
+        else:
+            report.add(
+                "restore reuse (deep)",
+                "WARN",
+                f"saved {saved} tokens but the engine reused only {reused} after "
+                "a restore: snapshots are useless on this model/build",
+                "SWA model? add --swa-full; hybrid/recurrent models may not support reuse after restore",
+            )
