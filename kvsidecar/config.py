@@ -75,6 +75,10 @@ class ServerConfig(_Model):
     runtime_key: str | None = None
     mode: Mode = Mode.SINGLE_SLOT
     slot_id: int = Field(default=0, ge=0)
+    # managed-slots: keep the highest slot for auxiliary requests (titles, compaction), spec §72
+    reserve_aux_slot: bool = False
+    # how long an acquire waits for a free slot before KV_SLOT_BUSY (503 + Retry-After)
+    slot_wait_s: float = Field(default=300.0, gt=0)
     connect_timeout_s: float = Field(default=2.0, gt=0)
     request_timeout_s: float = Field(default=10.0, gt=0)
     persist_timeout_s: float = Field(default=120.0, gt=0)

@@ -77,6 +77,9 @@ class FakeKvBackend:
         self.knobs = _Knobs()
         self.calls: list[tuple[str, int, str | None]] = []
         self.crashed = False
+        # Invariant 8 checker: which operation is running on each slot right now.
+        self.busy: dict[int, str] = {}
+        self.violations: list[str] = []
 
     # failure injection (spec §77) -------------------------------------------------------------------
     def fail_next_save(self, times: int = 1) -> None:
@@ -117,9 +120,19 @@ class FakeKvBackend:
         self.knobs.unavailable = False
 
     # the engine ----------------------------------------------------------------------------------------
+    def _enter(self, slot_id: int, op: str) -> None:
+        if slot_id in self.busy:
+            self.violations.append(f"{op} on slot {slot_id} while {self.busy[slot_id]} runs")
+        self.busy[slot_id] = op
+
+    def _leave(self, slot_id: int) -> None:
+        self.busy.pop(slot_id, None)
+
     def infer(self, slot_id: int, prompt: list[int]) -> tuple[int, int]:
         """Process `prompt` on a slot; returns (prompt_n computed, cache_n reused) like llama-server."""
         self._gate()
+        if slot_id in self.busy:
+            self.violations.append(f"inference on slot {slot_id} while {self.busy[slot_id]} runs")
         slot = self.slots[slot_id]
         common = 0
         for a, b in zip(slot.tokens, prompt, strict=False):
@@ -176,6 +189,13 @@ class FakeKvBackend:
         ]
 
     async def save_slot(self, slot_id: int, filename: str) -> SaveResult:
+        self._enter(slot_id, "save")
+        try:
+            return await self._save(slot_id, filename)
+        finally:
+            self._leave(slot_id)
+
+    async def _save(self, slot_id: int, filename: str) -> SaveResult:
         self._gate()
         self.calls.append(("save", slot_id, filename))
         await self._maybe_hang()
@@ -200,6 +220,13 @@ class FakeKvBackend:
         )
 
     async def restore_slot(self, slot_id: int, filename: str) -> RestoreResult:
+        self._enter(slot_id, "restore")
+        try:
+            return await self._restore(slot_id, filename)
+        finally:
+            self._leave(slot_id)
+
+    async def _restore(self, slot_id: int, filename: str) -> RestoreResult:
         self._gate()
         self.calls.append(("restore", slot_id, filename))
         await self._maybe_hang()
@@ -233,6 +260,13 @@ class FakeKvBackend:
         )
 
     async def erase_slot(self, slot_id: int) -> EraseResult:
+        self._enter(slot_id, "erase")
+        try:
+            return await self._erase(slot_id)
+        finally:
+            self._leave(slot_id)
+
+    async def _erase(self, slot_id: int) -> EraseResult:
         self._gate()
         self.calls.append(("erase", slot_id, None))
         await self._maybe_hang()

@@ -103,7 +103,7 @@ class Coordinator:
         digests: FileDigestCache | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
-        acquire_timeout_s: float = 300.0,
+        acquire_timeout_s: float | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -131,6 +131,7 @@ class Coordinator:
         self._sessions: dict[str, SessionRuntime] = {}  # identity key -> runtime
         self._by_session: dict[str, set[str]] = {}  # session id -> identity keys
         self._leases: dict[str, Lease] = {}
+        self._preparing: set[str] = set()  # lease ids holding a slot while it is being prepared
         self._idle_armed: set[str] = set()  # session keys with a pending idle job
         self._busy_keys: dict[str, int] = {}  # keys being restored or saved right now (retention keeps off)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -253,24 +254,30 @@ class Coordinator:
         return await self._acquire_slot(srv, identity, seq=seq)
 
     async def _take_slot(self, srv: ServerRuntime, key: str | None, holder: Lease | str) -> Slot:
-        async def pick() -> Slot:
-            async with srv.slots_changed:
+        """Wait (bounded) for the slot spec §64 picks, and hold it. Waiters queue on the server's
+        condition; selection is short, the slow work (save, restore) happens after, outside it."""
+        timeout = self.acquire_timeout_s if self.acquire_timeout_s is not None else srv.config.slot_wait_s
+
+        # asyncio.timeout, not wait_for: the hand-over below happens in this task with no await in between,
+        # so a timeout or a cancellation can never strand a slot with a holder nobody knows about.
+        try:
+            async with asyncio.timeout(timeout), srv.slots_changed:
                 await srv.slots_changed.wait_for(lambda: srv.select_slot(key, self._is_dirty) is not None)
                 slot = srv.select_slot(key, self._is_dirty)
                 assert slot is not None and slot.free
                 slot.holder = holder
+                slot.claimed_by = key
+                if isinstance(holder, Lease):
+                    holder.slot_id = slot.id
+                    self._preparing.add(holder.id)
                 return slot
-
-        try:
-            return await asyncio.wait_for(pick(), self.acquire_timeout_s)
         except TimeoutError:
-            raise SlotBusy(
-                f"no slot of server {srv.name} became free within {self.acquire_timeout_s:.0f}s"
-            ) from None
+            raise SlotBusy(f"no slot of server {srv.name} became free within {timeout:.0f}s") from None
 
     async def _give_back(self, srv: ServerRuntime, slot: Slot) -> None:
         async with srv.slots_changed:
             slot.holder = None
+            slot.claimed_by = None
             slot.last_used_at = self.monotonic()
             srv.slots_changed.notify_all()
 
@@ -289,7 +296,6 @@ class Coordinator:
             expires_at=now + self.config.api.lease_ttl_s,
         )
         slot = await self._take_slot(srv, lease.key, lease)
-        lease.slot_id = slot.id
         try:
             if identity is None:
                 result = await self._prepare_aux(srv, slot)
@@ -301,6 +307,8 @@ class Coordinator:
         except BaseException:
             await self._give_back(srv, slot)
             raise
+        finally:
+            self._preparing.discard(lease.id)
         lease.outcome = result.outcome
         result.lease_id, result.server, result.base_url, result.slot_id = (
             lease.id,

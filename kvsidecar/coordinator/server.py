@@ -124,19 +124,34 @@ class ServerRuntime:
         rather than taking a second slot: one session, one slot.
         """
         slots = list(self.slots.values())
+        aux = self.aux_slot_id
+        if key is None and aux is not None:
+            return self.slots[aux] if self.slots[aux].free else None
         if key is not None:
             for s in slots:
-                if s.owner == key:
+                if s.owner == key or s.claimed_by == key:
                     return s if s.free else None
-        free = [s for s in slots if s.free]
+        free = [s for s in slots if s.free and s.id != aux]
         if not free:
             return None
+        free = [s for s in free if s.claimed_by is None]
         empty = [s for s in free if s.owner is None]
         clean = [s for s in free if s.owner is not None and not is_dirty(s.owner)]
         for group in (empty, clean, free):
             if group:
                 return min(group, key=lambda s: s.last_used_at)
         return None
+
+    @property
+    def aux_slot_id(self) -> int | None:
+        """The slot kept for auxiliary requests, when configured and there is more than one."""
+        if (
+            self.config.mode is not Mode.MANAGED_SLOTS
+            or not self.config.reserve_aux_slot
+            or len(self.slots) < 2
+        ):
+            return None
+        return max(self.slots)
 
     def owner_slot(self, key: str) -> Slot | None:
         for s in self.slots.values():

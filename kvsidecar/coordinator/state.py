@@ -75,6 +75,9 @@ class Slot:
     # Who holds the slot right now: a Lease (inference) or an internal operation ("save", "purge").
     # Invariant 8: restore, erase, inference and save on this slot happen only while holding it.
     holder: Lease | str | None = None
+    # The session this slot is being prepared for: claimed at hand-over, before `owner` is set, so a
+    # second request of the same session waits for this slot instead of taking another (Invariant 2).
+    claimed_by: str | None = None
     holds_aux: bool = False
     last_used_at: float = 0.0
     tokens: int | None = None

@@ -147,7 +147,9 @@ def test_doctor_on_gemma3_needs_swa_full(start_llama: StartServer, tmp_path: Pat
         assert "WARN  restore reuse (deep)" in out  # and the round trip proves it: nothing reused
 
 
-def test_sighup_reloads_instead_of_killing_the_daemon(daemon: tuple[Path, LlamaServer], tmp_path: Path) -> None:
+def test_sighup_reloads_instead_of_killing_the_daemon(
+    daemon: tuple[Path, LlamaServer], tmp_path: Path
+) -> None:
     config, _ = daemon
     data = yaml.safe_load(config.read_text())
     data["checkpoint"] = {"idle_s": 5}
