@@ -151,6 +151,34 @@ class ApiConfig(_Model):
         return int(self.listen.rpartition(":")[2])
 
 
+class ProxyConfig(_Model):
+    """The OpenAI-compatible proxy listener (llama-server's own API, session-pinned)."""
+
+    enabled: bool = False
+    listen: str = "127.0.0.1:8378"
+    server: str = "local"  # the llama-server it forwards to
+    provider: str | None = None  # provider name used for acquire (default: the first routed to `server`)
+    session_header: str = "X-Session-Id"
+    session_field: str | None = None  # or a body field, e.g. "user" or "prompt_cache_key"
+    max_body_bytes: Bytes = 32 * 1024 * 1024
+    upstream_timeout_s: float = Field(default=600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _listen(self) -> ProxyConfig:
+        host, _, port = self.listen.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"listen must be HOST:PORT, got {self.listen!r}")
+        return self
+
+    @property
+    def host(self) -> str:
+        return self.listen.rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+
 class LoggingConfig(_Model):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["text", "json"] = "text"
@@ -168,6 +196,7 @@ class Config(_Model):
     failure: FailureConfig = FailureConfig()
     retention: RetentionConfig = RetentionConfig()
     api: ApiConfig = ApiConfig()
+    proxy: ProxyConfig = ProxyConfig()
     logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")
@@ -179,7 +208,17 @@ class Config(_Model):
                 raise ValueError(
                     f"routes.{provider}: unknown server {server!r} (known: {sorted(self.servers)})"
                 )
+        if self.proxy.enabled and self.proxy.server not in self.servers:
+            raise ValueError(
+                f"proxy.server: unknown server {self.proxy.server!r} (known: {sorted(self.servers)})"
+            )
         return self
+
+    def proxy_provider(self) -> str | None:
+        """The provider name proxied requests are acquired under."""
+        if self.proxy.provider is not None:
+            return self.proxy.provider
+        return next((p for p, s in self.routes.items() if s == self.proxy.server), None)
 
     def server_for(self, provider: str) -> str | None:
         return self.routes.get(provider)

@@ -16,7 +16,7 @@ import signal
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 from fastapi import FastAPI
@@ -30,6 +30,7 @@ from kvsidecar.coordinator.server import ProcessFinder
 from kvsidecar.errors import ConfigError
 from kvsidecar.logs import event
 from kvsidecar.metrics import Metrics
+from kvsidecar.proxy import Proxy
 from kvsidecar.retention import Policy, RetentionJob
 from kvsidecar.store.fingerprint import FileDigestCache, find_llama_process
 from kvsidecar.store.snapshots import SnapshotStore
@@ -196,26 +197,34 @@ class Daemon:
         )
 
 
-def listen_sockets(config: Config) -> list[socket.socket]:
-    api = config.api
-    if not is_loopback(api.host) and not api.allow_public_bind:
-        raise ConfigError(
-            f"api.listen: refusing to listen on non-loopback {api.host}; set api.allow_public_bind: true "
-            "(and a token) if you really mean it"
-        )
-    if not is_loopback(api.host) and config.api.token_file is None:
-        raise ConfigError("api.token_file: a token is required when listening beyond loopback")
-    family = socket.AF_INET6 if ":" in api.host else socket.AF_INET
+def _tcp_socket(what: str, host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     tcp = socket.socket(family, socket.SOCK_STREAM)
     tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     # Accepted connections inherit this: a hook answer must not wait for the client's delayed ACK (~40 ms).
     tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
-        tcp.bind((api.host, api.port))
+        tcp.bind((host, port))
     except OSError as exc:
         tcp.close()
-        raise ConfigError(f"api.listen: cannot bind {api.listen} ({exc.strerror})") from None
-    socks = [tcp]
+        raise ConfigError(f"{what}: cannot bind {host}:{port} ({exc.strerror})") from None
+    return tcp
+
+
+def _check_bind(config: Config, what: str, host: str) -> None:
+    if not is_loopback(host) and not config.api.allow_public_bind:
+        raise ConfigError(
+            f"{what}: refusing to listen on non-loopback {host}; set api.allow_public_bind: true "
+            "(and a token) if you really mean it"
+        )
+    if not is_loopback(host) and config.api.token_file is None:
+        raise ConfigError("api.token_file: a token is required when listening beyond loopback")
+
+
+def listen_sockets(config: Config) -> list[socket.socket]:
+    api = config.api
+    _check_bind(config, "api.listen", api.host)
+    socks = [_tcp_socket("api.listen", api.host, api.port)]
     if api.unix_socket is not None:
         path = Path(api.unix_socket)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -232,23 +241,53 @@ def listen_sockets(config: Config) -> list[socket.socket]:
     return socks
 
 
+def _uvicorn(app: Any, *, lifespan: Literal["on", "off"]) -> uvicorn.Server:
+    return uvicorn.Server(
+        uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=5, lifespan=lifespan)
+    )
+
+
 def build_server(config: Config, **daemon_kwargs: Any) -> tuple[uvicorn.Server, list[socket.socket], Daemon]:
     daemon = Daemon(config, **daemon_kwargs)
     socks = listen_sockets(config)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            daemon.app(), log_config=None, access_log=False, timeout_graceful_shutdown=5, lifespan="on"
-        )
-    )
-    return server, socks, daemon
+    return _uvicorn(daemon.app(), lifespan="on"), socks, daemon
+
+
+def build_proxy(config: Config, daemon: Daemon) -> tuple[uvicorn.Server, list[socket.socket], Proxy] | None:
+    if not config.proxy.enabled:
+        return None
+    _check_bind(config, "proxy.listen", config.proxy.host)
+    sock = _tcp_socket("proxy.listen", config.proxy.host, config.proxy.port)
+    proxy = Proxy(daemon.coordinator, config, token=daemon.token, check_host=is_loopback(config.proxy.host))
+    return _uvicorn(proxy, lifespan="off"), [sock], proxy
 
 
 async def serve(config: Config, **daemon_kwargs: Any) -> None:
-    """Run until SIGTERM/SIGINT; the lifespan's shutdown path checkpoints dirty slots before exit."""
-    server, socks, _ = build_server(config, **daemon_kwargs)
-    event(log, logging.INFO, "kv.api.listening", listen=config.api.listen, unix_socket=config.api.unix_socket)
+    """Run until SIGTERM/SIGINT; the API's lifespan shutdown checkpoints dirty slots before exit.
+
+    With proxy mode on, a second listener runs beside the API; when either stops, both do.
+    """
+    server, socks, daemon = build_server(config, **daemon_kwargs)
+    proxy = build_proxy(config, daemon)
+    event(
+        log,
+        logging.INFO,
+        "kv.api.listening",
+        listen=config.api.listen,
+        unix_socket=config.api.unix_socket,
+        proxy=config.proxy.listen if proxy else None,
+    )
+    tasks = [asyncio.ensure_future(server.serve(sockets=socks))]
+    if proxy is not None:
+        tasks.append(asyncio.ensure_future(proxy[0].serve(sockets=proxy[1])))
     try:
-        await server.serve(sockets=socks)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        if proxy is not None:
+            proxy[0].should_exit = True
+        await asyncio.gather(*tasks)
     finally:
-        for s in socks:
+        for s in socks + (proxy[1] if proxy else []):
             s.close()
+        if proxy is not None:
+            await proxy[2].aclose()

@@ -754,6 +754,17 @@ class Coordinator:
             )
         return result
 
+    def renew(self, lease_id: str) -> None:
+        """Push a lease's expiry back by a full TTL (the proxy calls this while a long answer streams)."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return
+        if lease.expiry is not None:
+            lease.expiry.cancel()
+        ttl = self.config.api.lease_ttl_s
+        lease.expires_at = self.clock() + ttl
+        lease.expiry = asyncio.get_running_loop().call_later(ttl, lambda: self._spawn(self._expire(lease_id)))
+
     async def _expire(self, lease_id: str) -> None:
         lease = self._leases.get(lease_id)
         if lease is None:

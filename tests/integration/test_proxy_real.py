@@ -1,0 +1,171 @@
+"""Proxy mode against a real llama-server, with the official openai SDK and with plain httpx."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from kvsidecar.testing.llama import LlamaServer, free_port, words
+from tests.conftest import StartServer
+
+TOKEN = "proxy-token-0123456789abcdef"
+
+
+@dataclass
+class Setup:
+    llama: LlamaServer
+    proxy: str
+    api: str
+    proc: subprocess.Popen[bytes]
+
+    def status(self) -> dict[str, Any]:
+        r = httpx.get(f"{self.api}/v1/status", headers={"Authorization": f"Bearer {TOKEN}"})
+        return dict(r.json())
+
+
+@pytest.fixture
+def setup(start_llama: StartServer, tmp_path: Path) -> Iterator[Setup]:
+    llama = start_llama(ctx_size=4096)
+    api_port, proxy_port = free_port(), free_port()
+    (tmp_path / "token").write_text(TOKEN)
+    cfg = {
+        "state_dir": str(tmp_path / "state"),
+        "servers": {"local": {"base_url": llama.base_url, "snapshot_dir": str(llama.slot_save_path)}},
+        "api": {"listen": f"127.0.0.1:{api_port}", "token_file": str(tmp_path / "token")},
+        "proxy": {"enabled": True, "listen": f"127.0.0.1:{proxy_port}"},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    log = (tmp_path / "daemon.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvsidecar", "-c", str(tmp_path / "config.yaml"), "serve"], stderr=log
+    )
+    api = f"http://127.0.0.1:{api_port}"
+    for _ in range(300):
+        try:
+            if httpx.get(f"{api}/healthz").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    try:
+        yield Setup(llama=llama, proxy=f"http://127.0.0.1:{proxy_port}", api=api, proc=proc)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+
+
+def client(setup: Setup) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{setup.proxy}/v1", api_key=TOKEN, max_retries=0)
+
+
+def chat(setup: Setup, session: str, turn: int, **kw: Any) -> Any:
+    messages = [{"role": "user", "content": words(session, 400 * turn)}]
+    return client(setup).chat.completions.with_raw_response.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=4,
+        temperature=0,
+        extra_headers={"X-Session-Id": session},
+        **kw,
+    )
+
+
+def test_openai_sdk_switch_and_restore(setup: Setup) -> None:
+    first = chat(setup, "A", 1)
+    assert first.headers["x-kv-outcome"] == "cold"
+    assert chat(setup, "A", 2).headers["x-kv-outcome"] == "resident"
+    assert chat(setup, "B", 1).headers["x-kv-outcome"] == "cold"
+    back = chat(setup, "A", 3)
+    assert back.headers["x-kv-outcome"] == "restored"
+    assert int(back.headers["x-kv-restored-tokens"]) > 500 and float(back.headers["x-kv-restore-ms"]) >= 0
+    body = json.loads(back.text)
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["timings"]["cache_n"] > 500  # the engine reused the restored prefix
+    stats = setup.status()["stats"]
+    assert stats["restore_hits"] == 1 and stats["restore_ineffective"] == 0 and setup.status()["leases"] == 0
+
+
+def test_openai_sdk_streaming(setup: Setup) -> None:
+    chat(setup, "S", 1)
+    chat(setup, "T", 1)
+    stream = client(setup).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": words("S", 800)}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        extra_headers={"X-Session-Id": "S"},
+    )
+    chunks = [c for c in stream]
+    assert len(chunks) >= 2 and any(c.choices and c.choices[0].delta.content for c in chunks)
+    assert setup.status()["stats"]["restore_hits"] == 1 and setup.status()["leases"] == 0
+
+
+def test_unmanaged_requests_pass_through_untouched(setup: Setup) -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    direct = httpx.get(f"{setup.llama.base_url}/props").json()
+    proxied = httpx.get(f"{setup.proxy}/props", headers=auth)
+    assert proxied.json() == direct and "x-kv-outcome" not in proxied.headers
+    body = {"prompt": "hello there", "n_predict": 6, "temperature": 0, "seed": 1, "cache_prompt": False}
+    a = httpx.post(f"{setup.llama.base_url}/completion", json=body).json()
+    b = httpx.post(f"{setup.proxy}/completion", json=body, headers=auth)
+    assert b.json()["content"] == a["content"] and "x-kv-outcome" not in b.headers
+    assert setup.status()["stats"]["acquires"] == 0
+
+
+def test_client_cancellation_mid_stream_releases_the_lease(setup: Setup) -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}", "X-Session-Id": "C"}
+    body = {"prompt": words("C", 300), "n_predict": 400, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{setup.proxy}/completion", json=body, headers=auth, timeout=60) as r:
+        assert r.headers["x-kv-outcome"] == "cold"
+        first = next(r.iter_lines())
+        assert first.startswith("data: ")
+    for _ in range(100):  # the release happens when the proxy notices the disconnect
+        if setup.status()["leases"] == 0:
+            break
+        time.sleep(0.05)
+    assert setup.status()["leases"] == 0
+    r2 = httpx.post(
+        f"{setup.proxy}/completion",
+        json={"prompt": "after", "n_predict": 2},
+        headers={**auth, "X-Session-Id": "D"},
+        timeout=60,
+    )
+    assert r2.status_code == 200 and setup.llama.alive
+
+
+def test_session_in_a_body_field_and_bad_input(setup: Setup, tmp_path: Path) -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    r = httpx.post(
+        f"{setup.proxy}/completion",
+        json={"prompt": "x", "n_predict": 1},
+        headers={**auth, "X-Session-Id": "../etc/passwd"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "KV_INVALID_SESSION_ID"
+    r = httpx.post(f"{setup.proxy}/completion", content=b"[1, 2]", headers={**auth, "X-Session-Id": "ok"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "KV_BAD_REQUEST"
+    r = httpx.get(f"{setup.proxy}/props")
+    assert r.status_code == 401
+
+
+def test_upstream_down_is_a_clear_502(setup: Setup) -> None:
+    setup.llama.stop()
+    r = httpx.post(
+        f"{setup.proxy}/completion",
+        json={"prompt": "x", "n_predict": 1},
+        headers={"Authorization": f"Bearer {TOKEN}", "X-Session-Id": "E"},
+        timeout=30,
+    )
+    assert r.status_code == 502 and r.json()["error"]["code"] == "KV_BACKEND_UNAVAILABLE"
+    assert setup.status()["leases"] == 0 and setup.proc.poll() is None
