@@ -232,7 +232,12 @@ class Proxy:
         )
         request = self.upstream.build_request(scope["method"], url, headers=headers, content=body)
         try:
-            response = await self.upstream.send(request, stream=True)
+            try:
+                response = await self.upstream.send(request, stream=True)
+            except httpx.RemoteProtocolError:
+                # llama-server closes a kept-alive connection after a streamed answer; a request sent on it
+                # gets no response at all, so it was never processed: send it once more on a new connection.
+                response = await self.upstream.send(request, stream=True)
         except httpx.HTTPError as exc:
             err = BackendUnavailable(
                 f"llama-server at {self.upstream.base_url} did not answer ({type(exc).__name__})"

@@ -1,0 +1,260 @@
+"""Proxy benchmarks (issue 7).
+
+1. Added latency of kvsidecar's proxy over a direct llama-server call, same run, interleaved: a resident
+   managed request (X-Session-Id), an unmanaged pass-through, and direct; whole non-streamed request and
+   time to first streamed chunk. Tiny generated model, so the engine's own time is small and the proxy's
+   share shows.
+2. Streaming is not buffered: for a 64-token generation the first chunk's arrival time is compared with the
+   end of the stream (reported, not asserted in a test).
+3. The A/B/A switch on Gemma 3 270M through kvsidecar's proxy and through hearth-llm 0.1.1 in attach mode,
+   same llama-server flags (--swa-full --cache-ram 0 --parallel 1), time to first token after switching
+   back to A, side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import summary, write
+
+from kvsidecar.testing.llama import LlamaServer, free_port, llama_server_binary, vocab_dir, words
+from kvsidecar.testing.models import TINY, gemma3_270m, generate_llama_model
+
+TOKEN = "bench-proxy-token-0123456789"
+
+
+def wait_http(url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def start_kvsidecar(work: Path, llama: LlamaServer) -> tuple[subprocess.Popen[bytes], str]:
+    api, proxy = free_port(), free_port()
+    (work / "token").write_text(TOKEN)
+    cfg = {
+        "state_dir": str(work / "state"),
+        "logging": {"level": "warning"},
+        "servers": {"local": {"base_url": llama.base_url, "snapshot_dir": str(llama.slot_save_path)}},
+        "api": {"listen": f"127.0.0.1:{api}", "token_file": str(work / "token")},
+        "proxy": {"enabled": True, "listen": f"127.0.0.1:{proxy}"},
+    }
+    (work / "config.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvsidecar", "-c", str(work / "config.yaml"), "serve"],
+        stderr=subprocess.DEVNULL,
+    )
+    wait_http(f"http://127.0.0.1:{api}/healthz")
+    return proc, f"http://127.0.0.1:{proxy}"
+
+
+def timed(
+    client: httpx.Client, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> tuple[float, float]:
+    """(ms to first streamed chunk, ms to the end), or for stream=False (ms, ms)."""
+    t0 = time.perf_counter()
+    first = None
+    with client.stream("POST", url, json=body, headers=headers) as r:
+        r.raise_for_status()
+        for chunk in r.iter_raw():
+            if first is None and chunk:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    return ((first or end) - t0) * 1000, (end - t0) * 1000
+
+
+def bench_overhead(rounds: int) -> dict[str, Any]:
+    binary = llama_server_binary()
+    model = generate_llama_model(TINY, vocab_dir=vocab_dir(binary))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        llama = LlamaServer(
+            binary=binary,
+            model=model,
+            slot_save_path=work / "snaps",
+            log_path=work / "llama.log",
+            extra_args=("--cache-ram", "0"),
+        )
+        llama.start()
+        proc, proxy = start_kvsidecar(work, llama)
+        prompt = words("overhead", 400)
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        modes = {
+            "direct": (f"{llama.base_url}/completion", {}),
+            "proxy_managed": (f"{proxy}/completion", {**auth, "X-Session-Id": "bench"}),
+            "proxy_passthrough": (f"{proxy}/completion", auth),
+        }
+        out: dict[str, Any] = {}
+        try:
+            with httpx.Client(timeout=120) as c:
+                results: dict[str, dict[str, list[float]]] = {
+                    m: {"whole": [], "ttfc": [], "end": []} for m in modes
+                }
+                for url, h in modes.values():  # warm-up; the managed session becomes resident
+                    timed(c, url, {"prompt": prompt, "n_predict": 1, "id_slot": 0, "cache_prompt": True}, h)
+                for _ in range(rounds):
+                    for m, (url, h) in modes.items():
+                        whole, _ = timed(
+                            c, url, {"prompt": prompt, "n_predict": 1, "id_slot": 0, "cache_prompt": True}, h
+                        )
+                        first, end = timed(
+                            c,
+                            url,
+                            {
+                                "prompt": prompt,
+                                "n_predict": 64,
+                                "stream": True,
+                                "id_slot": 0,
+                                "cache_prompt": True,
+                                "ignore_eos": True,
+                            },
+                            h,
+                        )
+                        results[m]["whole"].append(whole)
+                        results[m]["ttfc"].append(first)
+                        results[m]["end"].append(end)
+            for m, r in results.items():
+                out[m] = {k: summary(v) for k, v in r.items()}
+            for m in ("proxy_managed", "proxy_passthrough"):
+                out[f"{m}_added_ms_p50"] = {
+                    "whole": out[m]["whole"]["p50"] - out["direct"]["whole"]["p50"],
+                    "ttfc": out[m]["ttfc"]["p50"] - out["direct"]["ttfc"]["p50"],
+                }
+            out["stream_first_chunk_before_end"] = (
+                out["proxy_managed"]["ttfc"]["p50"] < out["proxy_managed"]["end"]["p50"]
+            )
+        finally:
+            proc.terminate()
+            proc.wait(60)
+            llama.stop()
+    return out
+
+
+def chat_ttft(
+    client: httpx.Client, url: str, messages: list[dict[str, str]], headers: dict[str, str]
+) -> tuple[float, str]:
+    body = {"model": "gemma", "messages": messages, "max_tokens": 8, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    ttft, text = None, ""
+    with client.stream("POST", url, json=body, headers=headers) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line.endswith("[DONE]"):
+                continue
+            delta = (
+                json.loads(line[6:])["choices"][0]["delta"].get("content")
+                if json.loads(line[6:]).get("choices")
+                else None
+            )
+            if delta:
+                ttft = ttft or (time.perf_counter() - t0) * 1000
+                text += delta
+    return (ttft or (time.perf_counter() - t0) * 1000), text
+
+
+def aba(url: str, headers_for: dict[str, dict[str, str]], words_a: int) -> dict[str, float]:
+    """A, B, then A again with A's reply and a new question appended: TTFT of each step."""
+    a1 = [{"role": "user", "content": words("A", words_a)}]
+    b1 = [{"role": "user", "content": words("B", 400)}]
+    with httpx.Client(timeout=600) as c:
+        t_a1, reply = chat_ttft(c, url, a1, headers_for["A"])
+        t_b1, _ = chat_ttft(c, url, b1, headers_for["B"])
+        a2 = [*a1, {"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]
+        t_a2, _ = chat_ttft(c, url, a2, headers_for["A"])
+    return {"A_cold_ms": t_a1, "B_ms": t_b1, "A_back_ms": t_a2}
+
+
+def bench_hearth_vs_kvsidecar(words_a: int) -> dict[str, Any]:
+    flags = ("--swa-full", "--cache-ram", "0")
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        # kvsidecar proxy
+        llama = LlamaServer(
+            binary=llama_server_binary(),
+            model=gemma3_270m(),
+            slot_save_path=work / "kv-snaps",
+            log_path=work / "llama1.log",
+            ctx_size=8192,
+            extra_args=flags,
+        )
+        llama.start()
+        proc, proxy = start_kvsidecar(work, llama)
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        try:
+            results["kvsidecar"] = aba(
+                f"{proxy}/v1/chat/completions", {s: {**auth, "X-Session-Id": s} for s in "AB"}, words_a
+            )
+        finally:
+            proc.terminate()
+            proc.wait(60)
+            llama.stop()
+        # hearth-llm in attach mode, fresh llama-server with the same flags
+        cache = work / "hearth-cache"
+        cache.mkdir()
+        llama = LlamaServer(
+            binary=llama_server_binary(),
+            model=gemma3_270m(),
+            slot_save_path=cache,
+            log_path=work / "llama2.log",
+            ctx_size=8192,
+            extra_args=flags,
+        )
+        llama.start()
+        port = free_port()
+        hearth = shutil.which("hearth") or str(Path(sys.executable).with_name("hearth"))
+        hp = subprocess.Popen(
+            [hearth, "serve", "--upstream", llama.base_url, "--port", str(port), "--cache-dir", str(cache)],
+            stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            wait_http(f"http://127.0.0.1:{port}/v1/models")
+            results["hearth"] = aba(
+                f"http://127.0.0.1:{port}/v1/chat/completions", {"A": {}, "B": {}}, words_a
+            )
+        finally:
+            hp.terminate()
+            hp.wait(30)
+            llama.stop()
+    results["setup"] = (
+        "Gemma 3 270M Q4_K_M, llama-server --ctx-size 8192 --parallel 1 --swa-full --cache-ram 0"
+    )
+    return results
+
+
+def main() -> int:
+    overhead = bench_overhead(30)
+    side = bench_hearth_vs_kvsidecar(3000)
+    print(write("proxy", {"overhead": overhead, "aba": side}))
+    for m in ("proxy_managed", "proxy_passthrough"):
+        a = overhead[f"{m}_added_ms_p50"]
+        print(f"{m}: +{a['whole']:.2f} ms whole request, +{a['ttfc']:.2f} ms to first chunk (p50 vs direct)")
+    pm = overhead["proxy_managed"]
+    print(
+        f"streaming through the proxy: first chunk at {pm['ttfc']['p50']:.1f} ms, end at {pm['end']['p50']:.1f} ms"
+    )
+    for name in ("kvsidecar", "hearth"):
+        r = side[name]
+        print(f"{name}: A cold {r['A_cold_ms']:,.0f} ms, back to A {r['A_back_ms']:,.0f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
