@@ -161,7 +161,7 @@ def section_proxy(r: dict[str, Any]) -> list[str]:
         f"{o['proxy_managed']['ttfc']['p50']:.1f} ms, long before the stream ends at {o['proxy_managed']['end']['p50']:.1f} ms: "
         "nothing is buffered.",
         "",
-        f"### A/B/A switch, kvsidecar proxy vs hearth-llm 0.1.1 (attach mode)",
+        "### A/B/A switch, kvsidecar proxy vs hearth-llm 0.1.1 (attach mode)",
         "",
         f"{a['setup']}; A is ~5K tokens, B ~700; A's second turn carries A's first reply plus a question.",
         "",
