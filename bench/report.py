@@ -190,6 +190,7 @@ def main() -> int:
         ("store", section_store),
         ("retention", section_retention),
         ("pool", section_pool),
+        ("proxy", section_proxy),
     )
     for name, fn in sections:
         data = load(name)
