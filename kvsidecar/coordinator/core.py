@@ -8,9 +8,9 @@ session dirty on success and checks how much of a restore the engine actually re
 Invariant 1: nothing here ever touches a prompt or a reply; the harness' conversation is built from its own
 log, so what kvsidecar does to a slot can change how fast an answer comes, never what it says.
 
-Everything here runs on the event loop. Slot selection and hand-over happen under the server's
-`slots_changed` condition; a slot's content is only changed (restore, erase, save, inference) while its
-`holder` is set, which makes those operations serial per slot (Invariant 8).
+Everything here runs on the event loop. Slots are handed to waiters in arrival order by `_dispatch`; a
+slot's content is only changed (restore, erase, save, inference) while its `holder` is set, which makes
+those operations serial per slot (Invariant 8).
 """
 
 from __future__ import annotations
@@ -254,32 +254,52 @@ class Coordinator:
         return await self._acquire_slot(srv, identity, seq=seq)
 
     async def _take_slot(self, srv: ServerRuntime, key: str | None, holder: Lease | str) -> Slot:
-        """Wait (bounded) for the slot spec §64 picks, and hold it. Waiters queue on the server's
-        condition; selection is short, the slow work (save, restore) happens after, outside it."""
-        timeout = self.acquire_timeout_s if self.acquire_timeout_s is not None else srv.config.slot_wait_s
+        """Wait (bounded) in the server's FIFO queue for the slot spec §64 picks, and hold it.
 
-        # asyncio.timeout, not wait_for: the hand-over below happens in this task with no await in between,
-        # so a timeout or a cancellation can never strand a slot with a holder nobody knows about.
+        Hand-over is done by `_dispatch`, synchronously, in queue order: a request that arrives while
+        others wait cannot overtake them (a releasing client re-acquiring at once would otherwise starve
+        everyone else), but a waiter that can be served is never stuck behind one that cannot.
+        """
+        timeout = self.acquire_timeout_s if self.acquire_timeout_s is not None else srv.config.slot_wait_s
+        waiter: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
+        entry = (key, holder, waiter)
+        srv.waiters.append(entry)
+        self._dispatch(srv)
         try:
-            async with asyncio.timeout(timeout), srv.slots_changed:
-                await srv.slots_changed.wait_for(lambda: srv.select_slot(key, self._is_dirty) is not None)
-                slot = srv.select_slot(key, self._is_dirty)
-                assert slot is not None and slot.free
-                slot.holder = holder
-                slot.claimed_by = key
-                if isinstance(holder, Lease):
-                    holder.slot_id = slot.id
-                    self._preparing.add(holder.id)
-                return slot
-        except TimeoutError:
-            raise SlotBusy(f"no slot of server {srv.name} became free within {timeout:.0f}s") from None
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(waiter)
+        except BaseException as exc:
+            with contextlib.suppress(ValueError):
+                srv.waiters.remove(entry)
+            if waiter.done() and not waiter.cancelled():  # handed a slot just as we gave up: give it back
+                await self._give_back(srv, waiter.result())
+            waiter.cancel()
+            if isinstance(exc, TimeoutError):
+                raise SlotBusy(f"no slot of server {srv.name} became free within {timeout:.0f}s") from None
+            raise
+
+    def _dispatch(self, srv: ServerRuntime) -> None:
+        """Give free slots to waiters, first come first served. Runs with no await: nothing interleaves."""
+        for entry in list(srv.waiters):
+            key, holder, waiter = entry
+            if waiter.done():
+                srv.waiters.remove(entry)
+                continue
+            slot = srv.select_slot(key, self._is_dirty)
+            if slot is None:
+                continue
+            slot.holder, slot.claimed_by = holder, key
+            if isinstance(holder, Lease):
+                holder.slot_id = slot.id
+                self._preparing.add(holder.id)
+            srv.waiters.remove(entry)
+            waiter.set_result(slot)
 
     async def _give_back(self, srv: ServerRuntime, slot: Slot) -> None:
-        async with srv.slots_changed:
-            slot.holder = None
-            slot.claimed_by = None
-            slot.last_used_at = self.monotonic()
-            srv.slots_changed.notify_all()
+        slot.holder = None
+        slot.claimed_by = None
+        slot.last_used_at = self.monotonic()
+        self._dispatch(srv)
 
     async def _acquire_slot(
         self, srv: ServerRuntime, identity: SnapshotIdentity | None, *, seq: int | None
@@ -621,7 +641,9 @@ class Coordinator:
                 session_seq=rt.seq,
             )
         except KvError as exc:
-            self.store.abort_save(plan)
+            self.store.abort_save(plan, discard=True)
+            if self.after_save is not None:  # a full disk is a reason to run retention now
+                self.after_save()
             self._breaker_failure(srv, exc)
             self.stats.save_failures += 1
             self.metrics.save_failure.labels(srv.name, exc.code).inc()

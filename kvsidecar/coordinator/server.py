@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvsidecar.backend.base import BackendCapabilities, KvBackend
 from kvsidecar.config import Mode, ServerConfig
@@ -55,8 +57,9 @@ class ServerRuntime:
         self.process: ProcessInfo | None = None
         self.available = False
         self.last_error: str | None = None
-        # Guards slot selection and hand-over; waiters are woken when a slot frees (FIFO-ish queue).
-        self.slots_changed = asyncio.Condition()
+        # Requests waiting for a slot, in arrival order: (session key or None, holder, future of the slot).
+        # Only the coordinator's _dispatch hands slots to them, on the event loop.
+        self.waiters: deque[tuple[str | None, Any, asyncio.Future[Slot]]] = deque()
         first = config.slot_id if config.mode is Mode.SINGLE_SLOT else 0
         self.slots: dict[int, Slot] = {first: Slot(id=first)}
 

@@ -74,6 +74,14 @@ class ReconcileReport:
     elapsed_ms: float = 0.0
 
 
+def _make_private(path: Path) -> None:
+    """KV snapshots are plaintext transcripts: 0600 when we own the file. (When llama-server runs as
+    another user sharing a group, its own umask decides; see systemd/llama-server.service.)"""
+    with contextlib.suppress(OSError):
+        if path.stat().st_uid == os.geteuid():
+            path.chmod(0o600)
+
+
 class SnapshotStore:
     def __init__(
         self,
@@ -239,7 +247,12 @@ class SnapshotStore:
             path=self.path_for(identity.server, filename),
         )
 
-    def abort_save(self, plan: SavePlan) -> None:
+    def abort_save(self, plan: SavePlan, *, discard: bool = False) -> None:
+        """The save is over. `discard`: it failed, so whatever the server left in the file is garbage
+        (a partial write after ENOSPC, say): delete it now rather than let it hold the disk."""
+        if discard:
+            with contextlib.suppress(OSError):
+                plan.path.unlink()
         with self._lock:
             self._inflight.discard((plan.identity.server, plan.filename))
 
@@ -256,6 +269,7 @@ class SnapshotStore:
         try:
             size = file_size(plan.path)
             header = read_header(plan.path)
+            _make_private(plan.path)
             # n_written undercounts on some builds: the file itself is the truth for bytes.
             checksum = file_checksum(plan.path) if self.verify_checksum else None
             if file_size(plan.path) != size:

@@ -1,0 +1,308 @@
+"""Fault injection against a real llama-server: crashes, storage faults and changed runtimes.
+
+In every case the next request succeeds (cold if need be), llama-server stays up, the event has a stable
+code, and no good snapshot is lost. The results are summarized in docs/RELIABILITY.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from kvsidecar.backend.base import SaveResult
+from kvsidecar.coordinator.state import Outcome
+from kvsidecar.errors import BackendUnavailable
+from kvsidecar.store.naming import SnapshotIdentity
+from kvsidecar.testing.llama import free_port
+from tests.conftest import StartServer
+from tests.integration.real_helpers import RealHarness, real_harness
+
+
+def ident(session: str) -> SnapshotIdentity:
+    return SnapshotIdentity(server="local", provider="local", model="tiny", session_id=session)
+
+
+async def switch_away_and_back(h: RealHarness, session: str = "A") -> tuple[Outcome, str | None, int]:
+    await h.turn("X")
+    r, _, _, cn = await h.turn(session)
+    return r.outcome, r.reason, cn
+
+
+async def test_llama_killed_during_a_save_keeps_the_previous_generation(
+    start_llama: StartServer, tmp_path: Path
+) -> None:
+    server = start_llama()
+    h = await real_harness(server, tmp_path)
+    try:
+        await h.turn("A")
+        await h.turn("B")  # A saved: generation a
+        await h.turn("A")  # A resident and dirty again
+        real_save = h.backend.save_slot
+
+        async def dying_save(slot_id: int, filename: str) -> SaveResult:
+            (server.slot_save_path / filename).write_bytes(b"ggsq-half-written")  # type: ignore[operator]
+            server.kill()  # kill -9 in the middle of writing
+            return await real_save(slot_id, filename)
+
+        h.backend.save_slot = dying_save  # type: ignore[method-assign]
+        r = await h.coordinator.acquire("B", provider="local", model="tiny")
+        assert r.outcome is Outcome.COLD_FALLBACK and r.lease_id is not None  # B still gets to run
+        await h.coordinator.release(r.lease_id, status="error")
+        h.backend.save_slot = real_save  # type: ignore[method-assign]
+        m = h.coordinator.store.get(ident("A").key)
+        assert m is not None and m.current == "a" and m.generations["a"].valid  # the manifest's truth
+        server.start()
+        await h.coordinator._refresh(h.coordinator.servers["local"])
+        h.turns["A"] = 1  # the unsaved second turn is gone with the server
+        r2, _, _, cn = await h.turn("A")
+        assert r2.outcome is Outcome.RESTORED and cn > 500 and server.alive
+    finally:
+        await h.coordinator.aclose()
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (("--cache-type-k", "q8_0"), "KV_LAYOUT_CHANGED"),
+        (("--swa-full",), "KV_LAYOUT_CHANGED"),
+    ],
+)
+async def test_server_restarted_with_another_kv_layout(
+    start_llama: StartServer, tmp_path: Path, change: tuple[str, ...], reason: str
+) -> None:
+    server = start_llama()
+    h = await real_harness(server, tmp_path)
+    await h.turn("A")
+    await h.coordinator.aclose()  # saves A
+    server.stop()
+    server.extra_args = (*server.extra_args, *change)
+    server.start()
+    h2 = await real_harness(server, tmp_path)
+    try:
+        r, *_ = await h2.turn("A")
+        assert r.outcome is Outcome.COLD_FALLBACK and r.reason == reason
+        assert "restore" not in h2.calls()  # never even attempted
+        assert (server.slot_save_path / ident("A").filename("a")).exists()  # type: ignore[operator]  # kept
+    finally:
+        await h2.coordinator.aclose()
+
+
+async def test_server_restarted_with_another_model(
+    start_llama: StartServer, tmp_path: Path, llama_bin: Path
+) -> None:
+    from kvsidecar.testing.llama import vocab_dir
+    from kvsidecar.testing.models import ModelShape, generate_llama_model
+
+    server = start_llama()
+    h = await real_harness(server, tmp_path)
+    await h.turn("A")
+    await h.coordinator.aclose()
+    server.stop()
+    server.model = generate_llama_model(ModelShape(seed=99), vocab_dir=vocab_dir(llama_bin), out_dir=tmp_path)
+    server.start()
+    h2 = await real_harness(server, tmp_path)
+    try:
+        r, *_ = await h2.turn("A")
+        assert r.outcome is Outcome.COLD_FALLBACK and r.reason == "MODEL_FINGERPRINT_CHANGED"
+        assert "restore" not in h2.calls()
+    finally:
+        await h2.coordinator.aclose()
+
+
+async def test_smaller_context_than_the_snapshot(start_llama: StartServer, tmp_path: Path) -> None:
+    server = start_llama(ctx_size=4096)
+    h = await real_harness(server, tmp_path)
+    await h.turn("A")
+    await h.turn("A")  # ~1,950 tokens
+    await h.coordinator.aclose()
+    server.stop()
+    server.ctx_size = 1024
+    server.start()
+    h2 = await real_harness(server, tmp_path)
+    try:
+        r = await h2.coordinator.acquire("A", provider="local", model="tiny")
+        assert r.outcome is Outcome.COLD_FALLBACK and r.reason == "SNAPSHOT_EXCEEDS_SLOT_CONTEXT"
+        assert "restore" not in h2.calls() and server.alive
+        await h2.coordinator.release(r.lease_id, status="aborted")  # type: ignore[arg-type]
+    finally:
+        await h2.coordinator.aclose()
+
+
+async def test_file_deleted_between_check_and_restore(start_llama: StartServer, tmp_path: Path) -> None:
+    server = start_llama()
+    h = await real_harness(server, tmp_path)
+    try:
+        await h.turn("A")
+        await h.turn("B")
+        store = h.coordinator.store
+        real_find = store.find_restorable
+
+        def find_then_lose(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+            cand, rej = real_find(*args, **kwargs)  # type: ignore[arg-type]
+            if cand is not None:
+                cand.path.unlink()  # an operator's rm lands right after our checks
+            return cand, rej
+
+        store.find_restorable = find_then_lose  # type: ignore[method-assign]
+        r, _, pn, cn = await h.turn("A")
+        assert r.outcome is Outcome.COLD_FALLBACK and r.reason == "KV_RESTORE_FAILED"
+        assert cn == 0 and pn > 500 and server.alive
+    finally:
+        await h.coordinator.aclose()
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+            check=True,
+            capture_output=True,
+        )
+    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here ({exc})")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+async def test_disk_full_during_save_keeps_the_old_generation(
+    start_llama: StartServer, tmp_path: Path
+) -> None:
+    with tmpfs(tmp_path / "small", "9m") as snaps:
+        server = start_llama(slot_save_path=snaps)
+        h = await real_harness(server, tmp_path)
+        try:
+            await h.turn("A")
+            await h.turn("B")  # A saved (~3.8 MB)
+            await h.turn("A")
+            await h.turn("A")  # A is now ~2,900 tokens: its next save (~11 MB) cannot fit
+            r, *_ = await h.turn("B")  # switching saves A: ENOSPC
+            assert r.outcome is Outcome.RESTORED  # B still runs, restored
+            assert h.coordinator.stats.save_failures == 1 and server.alive
+            m = h.coordinator.store.get(ident("A").key)
+            assert m is not None and m.current == "a" and m.generations["a"].valid  # old generation intact
+            r, _, _, cn = await h.turn("A")
+            assert r.outcome is Outcome.RESTORED and cn > 500  # from the older generation, for real
+        finally:
+            await h.coordinator.aclose()
+
+
+async def test_read_only_state_directory(start_llama: StartServer, tmp_path: Path) -> None:
+    server = start_llama()
+    h = await real_harness(server, tmp_path)
+    state = tmp_path / "state" / "manifests"
+    try:
+        await h.turn("A")
+        subprocess.run(["mount", "-o", "bind", str(state), str(state)], check=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(state)], check=True)
+        try:
+            r, *_ = await h.turn("B")  # saving A cannot write its manifest: KV_METADATA_IO
+            assert r.outcome is Outcome.COLD and h.coordinator.stats.save_failures == 1 and server.alive
+        finally:
+            subprocess.run(["umount", str(state)], check=False)
+        r, *_ = await h.turn("C")
+        assert r.outcome is Outcome.COLD
+    finally:
+        await h.coordinator.aclose()
+
+
+def test_kvsidecar_killed_mid_flight_restarts_clean(start_llama: StartServer, tmp_path: Path) -> None:
+    """kill -9 the daemon with a dirty session and a half-written manifest temp file: the next start
+    sweeps the temp file, trusts no slot, and restores the last durable snapshot."""
+    server = start_llama()
+    port = free_port()
+    token = "kill-token-0123456789abcdef"
+    (tmp_path / "token").write_text(token)
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": str(tmp_path / "state"),
+                "api": {"listen": f"127.0.0.1:{port}", "token_file": str(tmp_path / "token")},
+                "servers": {
+                    "local": {"base_url": server.base_url, "snapshot_dir": str(server.slot_save_path)}
+                },
+            }
+        )
+    )
+    url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {token}"}
+
+    def start() -> subprocess.Popen[bytes]:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "kvsidecar", "-c", str(cfg), "serve"], stderr=subprocess.DEVNULL
+        )
+        for _ in range(300):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/healthz").status_code == 200:
+                    return p
+            time.sleep(0.05)
+        raise RuntimeError("daemon did not start")
+
+    def turn(session: str, n: int) -> str:
+        from kvsidecar.testing.llama import complete, words
+
+        lease = httpx.post(
+            f"{url}/v1/sessions/{session}/acquire", json={"provider": "local", "model": "tiny"}, headers=auth
+        ).json()
+        t = complete(server.base_url, words(session, 600 * n), slot_id=lease["slot_id"])
+        httpx.post(
+            f"{url}/v1/leases/{lease['lease_id']}/release",
+            headers=auth,
+            json={"status": "ok", "prompt_tokens": t["prompt_n"], "cached_tokens": t["cache_n"]},
+        )
+        return str(lease["outcome"])
+
+    p = start()
+    try:
+        turn("A", 1)
+        turn("B", 1)  # A saved
+        turn("A", 2)  # A dirty, unsaved
+        (tmp_path / "state" / "manifests" / f".{ident('A').key}.json.tmp-dead").write_bytes(b'{"half":')
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        p = start()
+        manifests = list((tmp_path / "state" / "manifests").iterdir())
+        assert all(not m.name.startswith(".") for m in manifests)  # the temp file was swept
+        for m in manifests:
+            json.loads(m.read_text())  # every manifest is whole
+        assert turn("A", 2) == "restored"  # nothing trusted in the slot; the durable snapshot comes back
+        assert server.alive
+    finally:
+        p.terminate()
+        p.wait(30)
+
+
+async def test_restore_of_a_truncated_file_is_never_sent(start_llama: StartServer, tmp_path: Path) -> None:
+    """The protection against the llama-server crash: with it removed (checks off), the server dies."""
+    server = start_llama()
+    h = await real_harness(server, tmp_path)
+    try:
+        await h.turn("A")
+        await h.turn("B")
+        path = server.slot_save_path / ident("A").filename("a")  # type: ignore[operator]
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+        r, *_ = await h.turn("A")
+        assert r.outcome is Outcome.COLD_FALLBACK and server.alive
+        # what the checks prevent: hand the same truncated file to llama-server directly
+        shutil.copy(path, path.with_name("direct.bin"))
+        with pytest.raises(BackendUnavailable):
+            await h.backend.restore_slot(0, "direct.bin")
+        time.sleep(0.5)
+        assert not server.alive  # GGML_ASSERT abort: the reason every restore is checked first
+    finally:
+        await h.coordinator.aclose()
