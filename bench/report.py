@@ -176,6 +176,65 @@ def section_proxy(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def section_context(r: dict[str, Any]) -> list[str]:
+    rows = []
+    for x in sorted(r["rows"], key=lambda x: (x["model"], x["tokens"])):
+        rows.append(
+            f"| {x['model']} | {x['tokens']:,} | {x['cold_ms']:,.0f} | {x['ram_cache_ttft_ms']:,.0f} | "
+            f"{x['restored_warm_ttft_ms']:,.0f} | {x['restored_dropped_ttft_ms']:,.0f} | "
+            f"{x['cold_ms'] / x['restored_warm_ttft_ms']:.0f}x | {x['snapshot_bytes'] / 1e6:,.1f} | "
+            f"{x['restore_warm_server_ms']:,.1f} / {x['restore_dropped_server_ms']:,.1f} | "
+            f"{x['snapshot_bytes'] / (x['read_warm_gbps'] * 1e6):,.1f} / {x['snapshot_bytes'] / (x['read_cold_gbps'] * 1e6):,.1f} |"
+        )
+    kv = [x for x in r["rows"] if x["model"] == "llama-gen"]
+    shape = r["llama_gen_shape"]
+    lines = [
+        "## Cold prefill vs kvsidecar vs llama-server's RAM cache, across context sizes",
+        "",
+        "![TTFT vs context](img/ttft_vs_context.png)",
+        "",
+        "Session A is run cold, session B takes the only slot, then A comes back. `cold`: no persistence "
+        "(`--cache-ram 0`); `ram-cache`: llama-server's own host-memory prompt cache (`--cache-ram 8192`, no "
+        "kvsidecar); `kvsidecar`: `--cache-ram 0`, restored from kvsidecar's snapshot, with the page cache warm "
+        "and after `POSIX_FADV_DONTNEED` on the file. TTFT in ms, from before the acquire hook to the first "
+        f"token. `llama-gen` is a generated {shape['n_layer']}-layer, {shape['n_embd']}-wide llama model.",
+        "",
+        "| model | tokens | cold | ram-cache | kvsidecar (warm) | kvsidecar (dropped) | cold / kvsidecar | snapshot MB "
+        "| restore_ms warm / dropped | limit ms: page cache / disk |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+        "The last column is the physical limit for reading the snapshot once: its size divided by the read "
+        "bandwidth of the same file measured in the same run, from the page cache and after dropping it.",
+        "",
+        "![restore vs bytes](img/restore_vs_bytes.png)",
+        "",
+        "llama-server's RAM cache is the fastest way back while it holds the session (same process, within "
+        "`--cache-ram`); kvsidecar's restores survive restarts, exceed RAM, live under a disk quota and are "
+        "what remains when the RAM cache has been evicted or the server restarted.",
+        "",
+    ]
+    if kv:
+        measured = sorted(x["kv_bytes_per_token"] for x in kv)[len(kv) // 2]
+        lines += [
+            f"KV bytes per token (generated model, f16 cache): measured {measured:,.0f} B (file size / tokens, "
+            f"median over sizes), analytic 2 x {shape['n_layer']} layers x {shape['n_head_kv']} kv heads x "
+            f"{shape['n_embd'] // shape['n_head']} head dim x 2 B = {r['analytic_bytes_per_token']:,} B.",
+            "",
+        ]
+    return lines
+
+
+def section_rss(r: dict[str, Any]) -> list[str]:
+    return [
+        "## Daemon memory",
+        "",
+        f"RSS after start-up: {r['empty_rss_mb']:.0f} MB knowing no snapshot, {r['rss_mb']:.0f} MB knowing "
+        f"{r['snapshots']:,} ({r['per_snapshot_kb']:.1f} KB per known snapshot).",
+        "",
+    ]
+
+
 def main() -> int:
     parts = [
         "# kvsidecar benchmarks",
@@ -185,12 +244,14 @@ def main() -> int:
         "",
     ]
     sections = (
+        ("context", section_context),
         ("ttft", section_ttft),
         ("hooks", section_hooks),
         ("store", section_store),
         ("retention", section_retention),
         ("pool", section_pool),
         ("proxy", section_proxy),
+        ("rss", section_rss),
     )
     for name, fn in sections:
         data = load(name)

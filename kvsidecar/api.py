@@ -95,19 +95,12 @@ class Guard:
         if refusal is not None:
             await error_response(refusal)(scope, receive, send)
             return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            body += message.get("body", b"")
-            if len(body) > self.max_bytes:
-                await error_response(PayloadTooLarge(f"request body is over {self.max_bytes} bytes"))(
-                    scope, receive, send
-                )
-                return
-            if not message.get("more_body", False):
-                break
+        body = await read_body(receive, self.max_bytes)
+        if body is None:
+            await error_response(PayloadTooLarge(f"request body is over {self.max_bytes} bytes"))(
+                scope, receive, send
+            )
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -120,16 +113,43 @@ class Guard:
         await self.app(scope, replay, send)
 
     def _refuse(self, scope: Scope, headers: dict[bytes, bytes]) -> KvError | None:
-        if self.check_host and not _loopback_host(headers.get(b"host", b"").decode("latin-1")):
-            return BadRequest("Host header must name a loopback address", hint="DNS rebinding guard")
-        if self.expected is not None and scope.get("path") != "/healthz":
-            sent = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(sent, self.expected):
-                return Unauthorized("missing or wrong bearer token")
+        refusal = refuse(scope, headers, expected=self.expected, check_host=self.check_host)
+        if refusal is not None:
+            return refusal
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
             return PayloadTooLarge(f"request body is over {self.max_bytes} bytes")
         return None
+
+
+def refuse(
+    scope: Scope, headers: dict[bytes, bytes], *, expected: bytes | None, check_host: bool
+) -> KvError | None:
+    """The checks every listener makes before reading a request: loopback Host, bearer token."""
+    if check_host and not _loopback_host(headers.get(b"host", b"").decode("latin-1")):
+        return BadRequest("Host header must name a loopback address", hint="DNS rebinding guard")
+    exempt = scope.get("path") in ("/healthz", "/health")  # liveness probes (ours, llama-server's)
+    if (
+        expected is not None
+        and not exempt
+        and not hmac.compare_digest(headers.get(b"authorization", b""), expected)
+    ):
+        return Unauthorized("missing or wrong bearer token")
+    return None
+
+
+async def read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None when it is over `limit` bytes."""
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return bytes(body)
+        body += message.get("body", b"")
+        if len(body) > limit:
+            return None
+        if not message.get("more_body", False):
+            return bytes(body)
 
 
 def validation_message(errors: Sequence[Any]) -> str:

@@ -127,16 +127,13 @@ class RetentionConfig(_Model):
     low_watermark: float = Field(default=0.9, gt=0, le=1)
 
 
-class ApiConfig(_Model):
-    listen: str = "127.0.0.1:8377"
-    unix_socket: PathValue | None = None
-    token_file: PathValue | None = None
-    allow_public_bind: bool = False
-    max_body_bytes: Bytes = 64 * 1024
-    lease_ttl_s: float = Field(default=600.0, gt=0)
+class _Listener(_Model):
+    """A config section with a `listen: HOST:PORT` address."""
+
+    listen: str
 
     @model_validator(mode="after")
-    def _listen(self) -> ApiConfig:
+    def _listen(self) -> _Listener:
         host, _, port = self.listen.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"listen must be HOST:PORT, got {self.listen!r}")
@@ -151,7 +148,16 @@ class ApiConfig(_Model):
         return int(self.listen.rpartition(":")[2])
 
 
-class ProxyConfig(_Model):
+class ApiConfig(_Listener):
+    listen: str = "127.0.0.1:8377"
+    unix_socket: PathValue | None = None
+    token_file: PathValue | None = None
+    allow_public_bind: bool = False
+    max_body_bytes: Bytes = 64 * 1024
+    lease_ttl_s: float = Field(default=600.0, gt=0)
+
+
+class ProxyConfig(_Listener):
     """The OpenAI-compatible proxy listener (llama-server's own API, session-pinned)."""
 
     enabled: bool = False
@@ -162,21 +168,6 @@ class ProxyConfig(_Model):
     session_field: str | None = None  # or a body field, e.g. "user" or "prompt_cache_key"
     max_body_bytes: Bytes = 32 * 1024 * 1024
     upstream_timeout_s: float = Field(default=600.0, gt=0)
-
-    @model_validator(mode="after")
-    def _listen(self) -> ProxyConfig:
-        host, _, port = self.listen.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"listen must be HOST:PORT, got {self.listen!r}")
-        return self
-
-    @property
-    def host(self) -> str:
-        return self.listen.rpartition(":")[0].strip("[]")
-
-    @property
-    def port(self) -> int:
-        return int(self.listen.rpartition(":")[2])
 
 
 class LoggingConfig(_Model):

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
-from kvsidecar.api import _loopback_host, error_response
+from kvsidecar.api import error_response, read_body, refuse
 from kvsidecar.config import Config
 from kvsidecar.coordinator.core import AcquireResult, Coordinator
-from kvsidecar.errors import BackendUnavailable, BadRequest, KvError, PayloadTooLarge, Unauthorized
+from kvsidecar.errors import BackendUnavailable, BadRequest, KvError, PayloadTooLarge
 from kvsidecar.logs import event
 from kvsidecar.store.naming import validate_session_id
 
@@ -126,11 +126,11 @@ class Proxy:
         if scope["type"] != "http":
             return
         headers = dict(scope.get("headers", []))
-        refusal = self._refuse(scope, headers)
+        refusal = refuse(scope, headers, expected=self.expected, check_host=self.check_host)
         if refusal is not None:
             await error_response(refusal)(scope, receive, send)
             return
-        body = await _read_body(receive, self.cfg.max_body_bytes)
+        body = await read_body(receive, self.cfg.max_body_bytes)
         if body is None:
             too_big = PayloadTooLarge(f"request body is over {self.cfg.max_body_bytes} bytes")
             await error_response(too_big)(scope, receive, send)
@@ -144,16 +144,6 @@ class Proxy:
             await self._forward(scope, body, receive, send)
             return
         await self._managed(scope, receive, send, session, data)
-
-    def _refuse(self, scope: Scope, headers: dict[bytes, bytes]) -> KvError | None:
-        if self.check_host and not _loopback_host(headers.get(b"host", b"").decode("latin-1")):
-            return BadRequest("Host header must name a loopback address", hint="DNS rebinding guard")
-        if self.expected is not None and scope.get("path") not in ("/health", "/healthz"):
-            import hmac
-
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                return Unauthorized("missing or wrong bearer token (use kvsidecar's token as the API key)")
-        return None
 
     def _session(
         self, scope: Scope, headers: dict[bytes, bytes], body: bytes
@@ -304,19 +294,6 @@ async def _race_disconnect(pump: Awaitable[None], receive: Receive) -> bool:
         for t in (pump_task, watch):
             t.cancel()
         await asyncio.gather(pump_task, watch, return_exceptions=True)
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    body = bytearray()
-    while True:
-        message: Message = await receive()
-        if message["type"] != "http.request":
-            return bytes(body)
-        body += message.get("body", b"")
-        if len(body) > limit:
-            return None
-        if not message.get("more_body", False):
-            return bytes(body)
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:
