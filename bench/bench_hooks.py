@@ -13,7 +13,6 @@ import argparse
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,42 +21,28 @@ from typing import Any
 
 import httpx
 import psutil
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import summary, write
 
 from kvsidecar.store.integrity import file_checksum
-from kvsidecar.testing.llama import LlamaServer, complete, free_port, llama_server_binary, vocab_dir, words
+from kvsidecar.testing.daemon import DaemonProcess
+from kvsidecar.testing.llama import LlamaServer, complete, llama_server_binary, vocab_dir, words
 from kvsidecar.testing.models import TINY, generate_llama_model
 
 TOKEN = "bench-token-0123456789abcdef"
 
 
-def start_daemon(work: Path, llama: LlamaServer) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    (work / "token").write_text(TOKEN)
-    cfg = {
-        "state_dir": str(work / "state"),
-        "servers": {"local": {"base_url": llama.base_url, "snapshot_dir": str(llama.slot_save_path)}},
-        "routes": {"local": "local"},
-        "checkpoint": {"idle_s": None},
-        "api": {"listen": f"127.0.0.1:{port}", "token_file": str(work / "token")},
-        "logging": {"level": "warning"},
-    }
-    (work / "config.yaml").write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvsidecar", "-c", str(work / "config.yaml"), "serve"],
-        stderr=(work / "daemon.log").open("wb"),
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    raise RuntimeError("daemon did not start")
+def start_daemon(work: Path, llama: LlamaServer) -> tuple[DaemonProcess, str]:
+    daemon = DaemonProcess(
+        work / "kvsidecar",
+        base_url=llama.base_url,
+        snapshot_dir=llama.slot_save_path,  # type: ignore[arg-type]
+        token=TOKEN,
+        checkpoint={"idle_s": None},
+        logging={"level": "warning"},
+    ).start()
+    return daemon, daemon.url
 
 
 def acquire(c: httpx.Client, session: str) -> dict[str, Any]:
@@ -163,11 +148,10 @@ def main() -> int:
             with httpx.Client(
                 base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, transport=transport
             ) as c:
-                resident = bench_resident(c, psutil.Process(proc.pid), args.calls)
+                resident = bench_resident(c, psutil.Process(proc.proc.pid), args.calls)  # type: ignore[union-attr]
                 restore = bench_restore(c, llama, args.rounds, args.tokens)
         finally:
-            proc.terminate()
-            proc.wait(30)
+            proc.stop()
             llama.stop()
     print(write("hooks", {"resident": resident, "restore": restore}))
     r = resident["per_call_ms"]

@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import summary, write
 
+from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import LlamaServer, free_port, llama_server_binary, vocab_dir, words
 from kvsidecar.testing.models import TINY, gemma3_270m, generate_llama_model
 
@@ -45,23 +45,17 @@ def wait_http(url: str, timeout_s: float = 60) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-def start_kvsidecar(work: Path, llama: LlamaServer) -> tuple[subprocess.Popen[bytes], str]:
-    api, proxy = free_port(), free_port()
-    (work / "token").write_text(TOKEN)
-    cfg = {
-        "state_dir": str(work / "state"),
-        "logging": {"level": "warning"},
-        "servers": {"local": {"base_url": llama.base_url, "snapshot_dir": str(llama.slot_save_path)}},
-        "api": {"listen": f"127.0.0.1:{api}", "token_file": str(work / "token")},
-        "proxy": {"enabled": True, "listen": f"127.0.0.1:{proxy}"},
-    }
-    (work / "config.yaml").write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvsidecar", "-c", str(work / "config.yaml"), "serve"],
-        stderr=subprocess.DEVNULL,
-    )
-    wait_http(f"http://127.0.0.1:{api}/healthz")
-    return proc, f"http://127.0.0.1:{proxy}"
+def start_kvsidecar(work: Path, llama: LlamaServer) -> tuple[DaemonProcess, str]:
+    proxy_port = free_port()
+    daemon = DaemonProcess(
+        work / "kvsidecar",
+        base_url=llama.base_url,
+        snapshot_dir=llama.slot_save_path,  # type: ignore[arg-type]
+        token=TOKEN,
+        logging={"level": "warning"},
+        proxy={"enabled": True, "listen": f"127.0.0.1:{proxy_port}"},
+    ).start()
+    return daemon, f"http://127.0.0.1:{proxy_port}"
 
 
 def timed(
@@ -140,8 +134,7 @@ def bench_overhead(rounds: int) -> dict[str, Any]:
                 out["proxy_managed"]["ttfc"]["p50"] < out["proxy_managed"]["end"]["p50"]
             )
         finally:
-            proc.terminate()
-            proc.wait(60)
+            proc.stop()
             llama.stop()
     return out
 
@@ -202,8 +195,7 @@ def bench_hearth_vs_kvsidecar(words_a: int) -> dict[str, Any]:
                 f"{proxy}/v1/chat/completions", {s: {**auth, "X-Session-Id": s} for s in "AB"}, words_a
             )
         finally:
-            proc.terminate()
-            proc.wait(60)
+            proc.stop()
             llama.stop()
         # hearth-llm in attach mode, fresh llama-server with the same flags
         cache = work / "hearth-cache"

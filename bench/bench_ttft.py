@@ -12,14 +12,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import summary, write
 
 from kvsidecar.client import KvSidecarClient
-from kvsidecar.demo import TOKEN, Daemon, stream_turn
-from kvsidecar.testing.llama import LlamaServer, free_port, llama_server_binary, words
+from kvsidecar.demo import TOKEN, stream_turn
+from kvsidecar.testing.daemon import DaemonProcess
+from kvsidecar.testing.llama import LlamaServer, llama_server_binary, words
 from kvsidecar.testing.models import gemma3_270m
 
 
@@ -32,20 +31,13 @@ async def run(work: Path, words_a: int, rounds: int, colds: int) -> dict[str, An
         ctx_size=8192,
         extra_args=("--swa-full", "--cache-ram", "0"),
     )
-    port = free_port()
-    (work / "token").write_text(TOKEN)
-    (work / "config.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "state_dir": str(work / "state"),
-                "servers": {"local": {"base_url": llama.base_url, "snapshot_dir": str(work / "snaps")}},
-                "routes": {"local": "local"},
-                "logging": {"level": "warning"},
-                "api": {"listen": f"127.0.0.1:{port}", "token_file": str(work / "token")},
-            }
-        )
+    daemon = DaemonProcess(
+        work / "kvsidecar",
+        base_url=llama.base_url,
+        snapshot_dir=work / "snaps",
+        token=TOKEN,
+        logging={"level": "warning"},
     )
-    daemon = Daemon(work / "config.yaml", f"http://127.0.0.1:{port}", work / "daemon.log")
     llama.start()
     daemon.start()
     cold, warm, restore_ms, tokens = [], [], [], 0

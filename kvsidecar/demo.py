@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 from kvsidecar.client import KvSidecarClient
-from kvsidecar.testing.llama import LlamaServer, free_port, llama_server_binary, words
+from kvsidecar.testing.daemon import DaemonProcess
+from kvsidecar.testing.llama import LlamaServer, llama_server_binary, words
 from kvsidecar.testing.models import gemma3_270m
 
 TOKEN = "demo-token-" + os.urandom(8).hex()
@@ -41,33 +40,6 @@ class Row:
     reused: int | None
     ttft_ms: float | None
     note: str = ""
-
-
-class Daemon:
-    """`kvsidecar serve` as a child process, as systemd would run it."""
-
-    def __init__(self, config_path: Path, url: str, log_path: Path) -> None:
-        self.config_path, self.url, self.log_path = config_path, url, log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvsidecar", "-c", str(self.config_path), "serve"], stdout=log, stderr=log
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        raise RuntimeError(f"kvsidecar did not start; see {self.log_path}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()  # SIGTERM: the shutdown checkpoint runs
-            self.proc.wait(timeout=90)
 
 
 async def stream_turn(
@@ -140,18 +112,13 @@ async def run(work: Path, tokens_a: int, tokens_b: int) -> list[Row]:
         parallel=1,
         extra_args=("--swa-full", "--cache-ram", "0"),
     )
-    port = free_port()
-    (work / "token").write_text(TOKEN)
-    config = {
-        "state_dir": str(work / "state"),
-        "servers": {
-            "local": {"base_url": llama.base_url, "snapshot_dir": str(snapshots), "probe_interval_s": 0.5}
-        },
-        "routes": {"local": "local"},
-        "api": {"listen": f"127.0.0.1:{port}", "token_file": str(work / "token")},
-    }
-    (work / "config.yaml").write_text(yaml.safe_dump(config))
-    daemon = Daemon(work / "config.yaml", f"http://127.0.0.1:{port}", work / "kvsidecar.log")
+    daemon = DaemonProcess(
+        work / "kvsidecar",
+        base_url=llama.base_url,
+        snapshot_dir=snapshots,
+        token=TOKEN,
+        servers={"local": {"probe_interval_s": 0.5}},
+    )
     turns = {"A": 0, "B": 0}
     rows: list[Row] = []
 
@@ -195,12 +162,7 @@ async def run(work: Path, tokens_a: int, tokens_b: int) -> list[Row]:
         daemon.start()
         event("5", "kvsidecar restarted (SIGTERM checkpoint)")
         await turn("6", "A", "new daemon trusts no slot: restore")
-        for f in snapshots.glob("*.bin"):
-            if f.stat().st_size and any(
-                f.name.startswith(m.stem) for m in (work / "state" / "manifests").glob("*.json")
-            ):
-                pass
-        removed = _remove_session_files(work, "A")
+        removed = _remove_session_files(work / "kvsidecar", snapshots, "A")
         llama.restart()
         await asyncio.sleep(1.5)  # let the probe notice the new llama-server process
         event("7", f"llama-server restarted; A's snapshot deleted by hand ({removed} files)")
@@ -212,14 +174,14 @@ async def run(work: Path, tokens_a: int, tokens_b: int) -> list[Row]:
     return rows
 
 
-def _remove_session_files(work: Path, session: str) -> int:
+def _remove_session_files(work: Path, snapshots: Path, session: str) -> int:
     removed = 0
     for manifest in (work / "state" / "manifests").glob("*.json"):
         data = json.loads(manifest.read_text())
         if data.get("session_id") != session:
             continue
         for gen in data.get("generations", {}).values():
-            path = work / "snapshots" / gen["filename"]
+            path = snapshots / gen["filename"]
             if path.exists():
                 path.unlink()
                 removed += 1

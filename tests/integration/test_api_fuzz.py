@@ -7,13 +7,12 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
+from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import free_port
 
 TOKEN = "fuzz-token-0123456789abcdef"
@@ -23,39 +22,17 @@ def test_schemathesis_finds_no_server_error(tmp_path: Path) -> None:
     st = shutil.which("schemathesis") or str(Path(sys.executable).with_name("schemathesis"))
     if not Path(st).exists():
         pytest.fail("schemathesis is a test dependency: pip install -e '.[test]'")
-    port = free_port()
-    (tmp_path / "token").write_text(TOKEN)
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "state_dir": str(tmp_path / "state"),
-                "servers": {
-                    "local": {
-                        "base_url": f"http://127.0.0.1:{free_port()}",
-                        "snapshot_dir": str(tmp_path / "snaps"),
-                        "slot_wait_s": 2,
-                    }
-                },
-                "api": {
-                    "listen": f"127.0.0.1:{port}",
-                    "token_file": str(tmp_path / "token"),
-                    "lease_ttl_s": 5,
-                },
-                "logging": {"level": "warning"},
-            }
-        )
-    )
-    log = (tmp_path / "daemon.log").open("wb")
-    daemon = subprocess.Popen([sys.executable, "-m", "kvsidecar", "-c", str(cfg), "serve"], stderr=log)
+    daemon = DaemonProcess(
+        tmp_path,
+        base_url=f"http://127.0.0.1:{free_port()}",
+        snapshot_dir=tmp_path / "snaps",
+        token=TOKEN,
+        servers={"local": {"slot_wait_s": 2}},
+        api={"lease_ttl_s": 5},
+        logging={"level": "warning"},
+    ).start()
     try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/healthz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.05)
+        url = daemon.url
         result = subprocess.run(
             [
                 st,
@@ -78,9 +55,7 @@ def test_schemathesis_finds_no_server_error(tmp_path: Path) -> None:
             timeout=600,
         )
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-        assert daemon.poll() is None  # still up
+        assert daemon.alive  # still up
         assert httpx.get(f"{url}/healthz").status_code == 200
     finally:
-        daemon.terminate()
-        daemon.wait(60)
-        log.close()
+        daemon.stop()

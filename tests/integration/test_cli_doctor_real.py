@@ -14,6 +14,7 @@ import httpx
 import pytest
 import yaml
 
+from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import LlamaServer, complete, free_port, words
 from kvsidecar.testing.models import gemma3_270m
 from tests.conftest import StartServer
@@ -57,16 +58,15 @@ def cli(config: Path, *args: str) -> tuple[int, str, str]:
 @pytest.fixture
 def daemon(start_llama: StartServer, tmp_path: Path) -> Iterator[tuple[Path, LlamaServer]]:
     server = start_llama()
-    config = write_config(tmp_path, server)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvsidecar", "-c", str(config), "serve"], stderr=subprocess.DEVNULL
-    )
+    proc = DaemonProcess(
+        tmp_path / "d", base_url=server.base_url, snapshot_dir=server.slot_save_path, token=TOKEN
+    )  # type: ignore[arg-type]
+    proc.start()
     try:
-        assert cli(config, "wait-ready", "--timeout", "30")[0] == 0
-        yield config, server
+        assert cli(proc.config_path, "wait-ready", "--timeout", "30")[0] == 0
+        yield proc.config_path, server
     finally:
-        proc.terminate()
-        proc.wait(60)
+        proc.stop()
 
 
 def harness_turn(config: Path, server: LlamaServer, session: str, n: int) -> dict[str, Any]:

@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 from kvsidecar.client import KvSidecarClient
 from kvsidecar.config import config_from_mapping
 from kvsidecar.service import build_server
+from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import LlamaServer, complete, free_port, words
 from tests.conftest import StartServer
 
@@ -89,38 +85,21 @@ async def test_hooks_over_http_and_unix_socket(start_llama: StartServer, tmp_pat
 def test_sigterm_checkpoints_a_dirty_session(start_llama: StartServer, tmp_path: Path) -> None:
     """`kvsidecar serve` as a process: SIGTERM saves the dirty slot before exiting."""
     server = start_llama()
-    port = free_port()
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(yaml.safe_dump(daemon_config(server, tmp_path, port)))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvsidecar", "-c", str(cfg), "serve"],
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    daemon = DaemonProcess(tmp_path / "d", base_url=server.base_url, snapshot_dir=server.slot_save_path)  # type: ignore[arg-type]
+    daemon.start()
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.05)
 
         async def one_turn() -> None:
-            async with KvSidecarClient(url, token=TOKEN) as kv:
+            async with KvSidecarClient(daemon.url, token=daemon.token) as kv:
                 await harness_turn(kv, "A", 1, server.base_url)
 
         asyncio.run(one_turn())
         assert not list(server.slot_save_path.glob("*.bin"))  # type: ignore[union-attr]
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        code = daemon.stop(timeout_s=60)
+    err = daemon.log()
     # uvicorn re-raises the signal after a clean shutdown; systemd counts SIGTERM as a clean exit.
-    assert proc.returncode in (0, -signal.SIGTERM), err
+    assert code in (0, -signal.SIGTERM), err
     assert "kv.session.save.success" in err and "trigger=shutdown" in err
     assert len(list(server.slot_save_path.glob("*.a.bin"))) == 1  # type: ignore[union-attr]
     assert "A " not in err.replace("session=", "")  # full session ids are not logged at info

@@ -9,22 +9,19 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from kvsidecar.backend.base import SaveResult
 from kvsidecar.coordinator.state import Outcome
 from kvsidecar.errors import BackendUnavailable
 from kvsidecar.store.naming import SnapshotIdentity
-from kvsidecar.testing.llama import free_port
+from kvsidecar.testing.daemon import DaemonProcess
 from tests.conftest import StartServer
 from tests.integration.real_helpers import RealHarness, real_harness
 
@@ -224,33 +221,8 @@ def test_kvsidecar_killed_mid_flight_restarts_clean(start_llama: StartServer, tm
     """kill -9 the daemon with a dirty session and a half-written manifest temp file: the next start
     sweeps the temp file, trusts no slot, and restores the last durable snapshot."""
     server = start_llama()
-    port = free_port()
-    token = "kill-token-0123456789abcdef"
-    (tmp_path / "token").write_text(token)
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "state_dir": str(tmp_path / "state"),
-                "api": {"listen": f"127.0.0.1:{port}", "token_file": str(tmp_path / "token")},
-                "servers": {
-                    "local": {"base_url": server.base_url, "snapshot_dir": str(server.slot_save_path)}
-                },
-            }
-        )
-    )
-    url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {token}"}
-
-    def start() -> subprocess.Popen[bytes]:
-        p = subprocess.Popen(
-            [sys.executable, "-m", "kvsidecar", "-c", str(cfg), "serve"], stderr=subprocess.DEVNULL
-        )
-        for _ in range(300):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/healthz").status_code == 200:
-                    return p
-            time.sleep(0.05)
-        raise RuntimeError("daemon did not start")
+    daemon = DaemonProcess(tmp_path, base_url=server.base_url, snapshot_dir=server.slot_save_path)  # type: ignore[arg-type]
+    url, auth = daemon.url, daemon.auth
 
     def turn(session: str, n: int) -> str:
         from kvsidecar.testing.llama import complete, words
@@ -266,15 +238,14 @@ def test_kvsidecar_killed_mid_flight_restarts_clean(start_llama: StartServer, tm
         )
         return str(lease["outcome"])
 
-    p = start()
+    daemon.start()
     try:
         turn("A", 1)
         turn("B", 1)  # A saved
         turn("A", 2)  # A dirty, unsaved
         (tmp_path / "state" / "manifests" / f".{ident('A').key}.json.tmp-dead").write_bytes(b'{"half":')
-        p.send_signal(signal.SIGKILL)
-        p.wait(10)
-        p = start()
+        daemon.kill()
+        daemon.start()
         manifests = list((tmp_path / "state" / "manifests").iterdir())
         assert all(not m.name.startswith(".") for m in manifests)  # the temp file was swept
         for m in manifests:
@@ -282,8 +253,7 @@ def test_kvsidecar_killed_mid_flight_restarts_clean(start_llama: StartServer, tm
         assert turn("A", 2) == "restored"  # nothing trusted in the slot; the durable snapshot comes back
         assert server.alive
     finally:
-        p.terminate()
-        p.wait(30)
+        daemon.stop()
 
 
 async def test_restore_of_a_truncated_file_is_never_sent(start_llama: StartServer, tmp_path: Path) -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,8 +12,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import yaml
 
+from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import LlamaServer, free_port, words
 from tests.conftest import StartServer
 
@@ -26,43 +24,27 @@ TOKEN = "proxy-token-0123456789abcdef"
 class Setup:
     llama: LlamaServer
     proxy: str
-    api: str
-    proc: subprocess.Popen[bytes]
+    daemon: DaemonProcess
 
     def status(self) -> dict[str, Any]:
-        r = httpx.get(f"{self.api}/v1/status", headers={"Authorization": f"Bearer {TOKEN}"})
-        return dict(r.json())
+        return dict(httpx.get(f"{self.daemon.url}/v1/status", headers=self.daemon.auth).json())
 
 
 @pytest.fixture
 def setup(start_llama: StartServer, tmp_path: Path) -> Iterator[Setup]:
     llama = start_llama(ctx_size=4096)
-    api_port, proxy_port = free_port(), free_port()
-    (tmp_path / "token").write_text(TOKEN)
-    cfg = {
-        "state_dir": str(tmp_path / "state"),
-        "servers": {"local": {"base_url": llama.base_url, "snapshot_dir": str(llama.slot_save_path)}},
-        "api": {"listen": f"127.0.0.1:{api_port}", "token_file": str(tmp_path / "token")},
-        "proxy": {"enabled": True, "listen": f"127.0.0.1:{proxy_port}"},
-    }
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
-    log = (tmp_path / "daemon.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvsidecar", "-c", str(tmp_path / "config.yaml"), "serve"], stderr=log
-    )
-    api = f"http://127.0.0.1:{api_port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{api}/healthz").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    proxy_port = free_port()
+    daemon = DaemonProcess(
+        tmp_path,
+        base_url=llama.base_url,
+        snapshot_dir=llama.slot_save_path,
+        token=TOKEN,  # type: ignore[arg-type]
+        proxy={"enabled": True, "listen": f"127.0.0.1:{proxy_port}"},
+    ).start()
     try:
-        yield Setup(llama=llama, proxy=f"http://127.0.0.1:{proxy_port}", api=api, proc=proc)
+        yield Setup(llama=llama, proxy=f"http://127.0.0.1:{proxy_port}", daemon=daemon)
     finally:
-        proc.terminate()
-        proc.wait(60)
-        log.close()
+        daemon.stop()
 
 
 def client(setup: Setup) -> openai.OpenAI:
@@ -168,4 +150,4 @@ def test_upstream_down_is_a_clear_502(setup: Setup) -> None:
         timeout=30,
     )
     assert r.status_code == 502 and r.json()["error"]["code"] == "KV_BACKEND_UNAVAILABLE"
-    assert setup.status()["leases"] == 0 and setup.proc.poll() is None
+    assert setup.status()["leases"] == 0 and setup.daemon.alive
