@@ -239,7 +239,7 @@ def plots(rows: list[dict[str, Any]], out_dir: Path) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--llama-sizes", default="2048,8192,16384,32768")
-    parser.add_argument("--gemma-sizes", default="2048,8192")
+    parser.add_argument("--gemma-sizes", default="2048,8192,16384,28000")  # 28,000 + margin fits 32K
     args = parser.parse_args()
     binary = llama_server_binary()
     shape = ModelShape(n_layer=4, n_embd=256, n_head=4, n_head_kv=4, n_ff=512, n_ctx=40960, seed=11)

@@ -204,7 +204,10 @@ async def test_read_only_state_directory(start_llama: StartServer, tmp_path: Pat
     state = tmp_path / "state" / "manifests"
     try:
         await h.turn("A")
-        subprocess.run(["mount", "-o", "bind", str(state), str(state)], check=True)
+        try:
+            subprocess.run(["mount", "-o", "bind", str(state), str(state)], check=True, capture_output=True)
+        except (subprocess.CalledProcessError, FileNotFoundError) as exc:
+            pytest.skip(f"cannot bind-mount here ({exc})")
         subprocess.run(["mount", "-o", "remount,bind,ro", str(state)], check=True)
         try:
             r, *_ = await h.turn("B")  # saving A cannot write its manifest: KV_METADATA_IO
