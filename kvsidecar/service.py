@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from kvsidecar.api import create_app
 from kvsidecar.backend.base import KvBackend
@@ -178,7 +179,7 @@ class Daemon:
             self.watcher.stop()
         await self.coordinator.aclose()
 
-    def app(self) -> FastAPI:
+    def app(self) -> ASGIApp:
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
             await self.start()
