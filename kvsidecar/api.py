@@ -227,15 +227,19 @@ async def _one_body(receive: Receive) -> bytes:
     return body or b""
 
 
-def _loopback_host(host_header: str) -> bool:
-    host = host_header.rsplit(":", 1)[0] if not host_header.endswith("]") else host_header
-    host = host.strip("[]").lower()
+def is_loopback(host: str) -> bool:
+    """A loopback host name or address (no port)."""
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _loopback_host(host_header: str) -> bool:
+    host = host_header.rsplit(":", 1)[0] if not host_header.endswith("]") else host_header
+    return is_loopback(host.strip("[]").lower())
 
 
 def create_app(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
 import signal
@@ -22,7 +21,7 @@ import uvicorn
 from fastapi import FastAPI
 from starlette.types import ASGIApp
 
-from kvsidecar.api import create_app
+from kvsidecar.api import create_app, is_loopback
 from kvsidecar.backend.base import KvBackend
 from kvsidecar.backend.llamacpp import LlamaCppBackend
 from kvsidecar.config import Config, load_config
@@ -51,15 +50,6 @@ def read_token(config: Config) -> str | None:
     if len(token) < 16:
         raise ConfigError("api.token_file: the token must be at least 16 characters")
     return token
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class Daemon:

@@ -201,7 +201,7 @@ class Coordinator:
             if slot.owner is not None and (rt := self._sessions.get(slot.owner)) is not None:
                 rt.saved_revision = rt.dirty_revision  # unsaved progress is gone with the server
                 rt.state = self._resting_state(rt)
-            slot.owner, slot.holds_aux, slot.broken, slot.tokens = None, False, False, None
+            slot.owner, slot.holds_aux, slot.tokens = None, False, None
 
     # sessions ----------------------------------------------------------------------------------------
     def route(self, provider: str) -> ServerRuntime | None:
@@ -367,9 +367,8 @@ class Coordinator:
     async def _prepare_slot(self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime) -> AcquireResult:
         rt.last_used_at = self.clock()
         # Invariant 6: a resident session costs no disk I/O and no management call.
-        if slot.owner == rt.key and not slot.broken:
+        if slot.owner == rt.key:
             self.stats.resident += 1
-            rt.last_outcome = Outcome.RESIDENT
             return AcquireResult(outcome=Outcome.RESIDENT)
         result = AcquireResult(outcome=Outcome.COLD)
         if slot.owner is not None:
@@ -386,8 +385,7 @@ class Coordinator:
         self.stats.switches += 1
         self.metrics.switch.labels(srv.name).inc()
         await self._load_session(srv, slot, rt, result)
-        slot.owner, slot.holds_aux, slot.broken = rt.key, False, False
-        rt.last_outcome = result.outcome
+        slot.owner, slot.holds_aux = rt.key, False
         event(
             log,
             logging.INFO,

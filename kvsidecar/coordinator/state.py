@@ -42,7 +42,6 @@ class SessionRuntime:
     verify_tokens: int | None = None  # tokens a restore claimed, awaiting the engine's reuse figure
     last_used_at: float = 0.0
     idle_due: float | None = None  # monotonic deadline of the idle checkpoint
-    last_outcome: Outcome | None = None
     last_error: str | None = None
 
     @property
@@ -81,7 +80,6 @@ class Slot:
     holds_aux: bool = False
     last_used_at: float = 0.0
     tokens: int | None = None
-    broken: bool = False  # our belief about its content is void (server restart, failed restore)
 
     @property
     def free(self) -> bool:
