@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -29,7 +30,7 @@ from common import summary, write
 
 from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import LlamaServer, free_port, llama_server_binary, vocab_dir, words
-from kvsidecar.testing.models import TINY, gemma3_270m, generate_llama_model
+from kvsidecar.testing.models import TINY, ModelShape, gemma3_270m, generate_llama_model
 
 TOKEN = "bench-proxy-token-0123456789"
 
@@ -73,9 +74,24 @@ def timed(
     return ((first or end) - t0) * 1000, (end - t0) * 1000
 
 
-def bench_overhead(rounds: int) -> dict[str, Any]:
+def cpu_s(pid: int) -> float:
+    """CPU seconds of all the process' threads, from the scheduler's nanosecond counters (psutil's
+    cpu_times count 10 ms ticks: too coarse for requests that take a fraction of a millisecond)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
+def bench_overhead(rounds: int, *, prompt_tokens: int = 400, stream: bool = True) -> dict[str, Any]:
+    """Proxy vs direct on one llama-server, interleaved round by round; the prompt stays resident in slot 0,
+    so each request costs llama-server little and the proxy's share shows. Also the daemon's own CPU time
+    per request (scheduler counters, summed over the measured requests of each mode)."""
     binary = llama_server_binary()
-    model = generate_llama_model(TINY, vocab_dir=vocab_dir(binary))
+    big = prompt_tokens > 3000
+    shape = ModelShape(n_ctx=65536) if big else TINY
+    model = generate_llama_model(shape, vocab_dir=vocab_dir(binary))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         llama = LlamaServer(
@@ -83,56 +99,65 @@ def bench_overhead(rounds: int) -> dict[str, Any]:
             model=model,
             slot_save_path=work / "snaps",
             log_path=work / "llama.log",
+            ctx_size=shape.n_ctx,
             extra_args=("--cache-ram", "0"),
         )
         llama.start()
         proc, proxy = start_kvsidecar(work, llama)
-        prompt = words("overhead", 400)
+        assert proc.proc is not None
+        pid = proc.proc.pid
+        prompt = words("overhead", prompt_tokens)
         auth = {"Authorization": f"Bearer {TOKEN}"}
+        # The managed request is what an OpenAI-style client sends (kvsidecar adds id_slot and cache_prompt);
+        # direct and pass-through requests pin slot 0 themselves. Managed goes first in the warm-up: its cold
+        # start erases the slot, and the others then find the prompt cached.
+        pinned = {"id_slot": 0, "cache_prompt": True}
         modes = {
-            "direct": (f"{llama.base_url}/completion", {}),
-            "proxy_managed": (f"{proxy}/completion", {**auth, "X-Session-Id": "bench"}),
-            "proxy_passthrough": (f"{proxy}/completion", auth),
+            "proxy_managed": (f"{proxy}/completion", {**auth, "X-Session-Id": "bench"}, {}),
+            "direct": (f"{llama.base_url}/completion", {}, pinned),
+            "proxy_passthrough": (f"{proxy}/completion", auth, pinned),
         }
-        out: dict[str, Any] = {}
+        whole_body = {"prompt": prompt, "n_predict": 1}
+        stream_body = {**whole_body, "n_predict": 64, "stream": True, "ignore_eos": True}
+        out: dict[str, Any] = {
+            "prompt_tokens": prompt_tokens,
+            "request_body_bytes": len(json.dumps({**whole_body, **pinned})),
+        }
         try:
-            with httpx.Client(timeout=120) as c:
+            with httpx.Client(timeout=600) as c:
+                tokens = c.post(f"{llama.base_url}/tokenize", json={"content": prompt}).json()["tokens"]
+                out["prompt_tokens_engine"] = len(tokens)
                 results: dict[str, dict[str, list[float]]] = {
                     m: {"whole": [], "ttfc": [], "end": []} for m in modes
                 }
-                for url, h in modes.values():  # warm-up; the managed session becomes resident
-                    timed(c, url, {"prompt": prompt, "n_predict": 1, "id_slot": 0, "cache_prompt": True}, h)
+                cpu = {m: {"whole": 0.0, "stream": 0.0} for m in modes}
+                for url, h, pin in modes.values():  # warm-up; the managed session becomes resident
+                    timed(c, url, {**whole_body, **pin}, h)
                 for _ in range(rounds):
-                    for m, (url, h) in modes.items():
-                        whole, _ = timed(
-                            c, url, {"prompt": prompt, "n_predict": 1, "id_slot": 0, "cache_prompt": True}, h
-                        )
-                        first, end = timed(
-                            c,
-                            url,
-                            {
-                                "prompt": prompt,
-                                "n_predict": 64,
-                                "stream": True,
-                                "id_slot": 0,
-                                "cache_prompt": True,
-                                "ignore_eos": True,
-                            },
-                            h,
-                        )
+                    for m, (url, h, pin) in modes.items():
+                        t0 = cpu_s(pid)
+                        whole, _ = timed(c, url, {**whole_body, **pin}, h)
+                        t1 = cpu_s(pid)
                         results[m]["whole"].append(whole)
-                        results[m]["ttfc"].append(first)
-                        results[m]["end"].append(end)
+                        cpu[m]["whole"] += t1 - t0
+                        if stream:
+                            first, end = timed(c, url, {**stream_body, **pin}, h)
+                            cpu[m]["stream"] += cpu_s(pid) - t1
+                            results[m]["ttfc"].append(first)
+                            results[m]["end"].append(end)
             for m, r in results.items():
-                out[m] = {k: summary(v) for k, v in r.items()}
+                out[m] = {k: summary(v) for k, v in r.items() if v}
             for m in ("proxy_managed", "proxy_passthrough"):
-                out[f"{m}_added_ms_p50"] = {
-                    "whole": out[m]["whole"]["p50"] - out["direct"]["whole"]["p50"],
-                    "ttfc": out[m]["ttfc"]["p50"] - out["direct"]["ttfc"]["p50"],
-                }
-            out["stream_first_chunk_before_end"] = (
-                out["proxy_managed"]["ttfc"]["p50"] < out["proxy_managed"]["end"]["p50"]
-            )
+                added = {"whole": out[m]["whole"]["p50"] - out["direct"]["whole"]["p50"]}
+                if stream:
+                    added["ttfc"] = out[m]["ttfc"]["p50"] - out["direct"]["ttfc"]["p50"]
+                    added["stream_end"] = out[m]["end"]["p50"] - out["direct"]["end"]["p50"]
+                out[f"{m}_added_ms_p50"] = added
+                out[f"{m}_daemon_cpu_ms"] = {k: v / rounds * 1000 for k, v in cpu[m].items()}
+            if stream:
+                out["stream_first_chunk_before_end"] = (
+                    out["proxy_managed"]["ttfc"]["p50"] < out["proxy_managed"]["end"]["p50"]
+                )
         finally:
             proc.stop()
             llama.stop()
@@ -232,12 +257,19 @@ def bench_hearth_vs_kvsidecar(words_a: int) -> dict[str, Any]:
 
 
 def main() -> int:
-    overhead = bench_overhead(30)
+    overhead = bench_overhead(40)
+    large = bench_overhead(120, prompt_tokens=24000, stream=False)
     side = bench_hearth_vs_kvsidecar(3000)
-    print(write("proxy", {"overhead": overhead, "aba": side}))
+    print(write("proxy", {"overhead": overhead, "overhead_large": large, "aba": side}))
     for m in ("proxy_managed", "proxy_passthrough"):
-        a = overhead[f"{m}_added_ms_p50"]
-        print(f"{m}: +{a['whole']:.2f} ms whole request, +{a['ttfc']:.2f} ms to first chunk (p50 vs direct)")
+        a, cpu = overhead[f"{m}_added_ms_p50"], overhead[f"{m}_daemon_cpu_ms"]
+        print(
+            f"{m}: +{a['whole']:.2f} ms whole request, +{a['ttfc']:.2f} ms to first chunk (p50 vs direct);"
+            f" daemon CPU {cpu['whole']:.2f} ms/request, {cpu['stream']:.2f} ms per 64-token stream"
+        )
+        print(
+            f"  {large['request_body_bytes']:,}-byte request: +{large[f'{m}_added_ms_p50']['whole']:.2f} ms whole"
+        )
     pm = overhead["proxy_managed"]
     print(
         f"streaming through the proxy: first chunk at {pm['ttfc']['p50']:.1f} ms, end at {pm['end']['p50']:.1f} ms"

@@ -14,13 +14,11 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
-import time
+import re
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import httpx
 from starlette.types import Receive, Scope, Send
 
 from kvsidecar.api import error_response, read_body, refuse
@@ -29,8 +27,10 @@ from kvsidecar.coordinator.core import AcquireResult, Coordinator
 from kvsidecar.errors import BackendUnavailable, BadRequest, KvError, PayloadTooLarge
 from kvsidecar.logs import event
 from kvsidecar.store.naming import validate_session_id
+from kvsidecar.upstream import Response, Upstream, UpstreamError
 
 log = logging.getLogger("kvsidecar.proxy")
+T = TypeVar("T")
 
 INFERENCE_PATHS = frozenset(
     {
@@ -56,9 +56,11 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
         b"host",
         b"content-length",
+        b"expect",
     }
 )
 RENEW_EVERY_S = 10.0
+_OBJECT_START = re.compile(rb"[ \t\r\n]*\{")  # JSON whitespace, then an object in UTF-8
 _TAIL_BYTES = 256 * 1024
 
 
@@ -96,7 +98,6 @@ class Proxy:
         *,
         token: str | None,
         check_host: bool,
-        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.cfg = config.proxy
@@ -107,12 +108,10 @@ class Proxy:
         self.llama_auth = None
         if server.api_key_file is not None:
             self.llama_auth = f"Bearer {Path(server.api_key_file).read_text().strip()}".encode()
-        if transport is None:
-            transport = httpx.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        self.upstream = httpx.AsyncClient(
-            base_url=server.base_url,
-            transport=transport,
-            timeout=httpx.Timeout(self.cfg.upstream_timeout_s, connect=server.connect_timeout_s),
+        self.upstream = Upstream(
+            server.base_url,
+            connect_timeout_s=server.connect_timeout_s,
+            read_timeout_s=self.cfg.upstream_timeout_s,
         )
         self.session_header = self.cfg.session_header.lower().encode()
 
@@ -143,7 +142,7 @@ class Proxy:
         if session is None or data is None or self.provider is None:
             await self._forward(scope, body, receive, send)
             return
-        await self._managed(scope, receive, send, session, data)
+        await self._managed(scope, receive, send, session, data, body)
 
     def _session(
         self, scope: Scope, headers: dict[bytes, bytes], body: bytes
@@ -153,6 +152,8 @@ class Proxy:
             return None, None
         raw = headers.get(self.session_header)
         session = raw.decode("latin-1") if raw is not None else None
+        if session is None and not self.cfg.session_field:
+            return None, None  # pass-through: the body is not even parsed
         try:
             data = json.loads(body) if body else None
         except ValueError:
@@ -167,7 +168,7 @@ class Proxy:
         return validate_session_id(session), data
 
     async def _managed(
-        self, scope: Scope, receive: Receive, send: Send, session: str, data: dict[str, Any]
+        self, scope: Scope, receive: Receive, send: Send, session: str, data: dict[str, Any], body: bytes
     ) -> None:
         model = data.get("model") if isinstance(data.get("model"), str) and data.get("model") else "default"
         assert self.provider is not None
@@ -176,30 +177,18 @@ class Proxy:
         except KvError as exc:
             await error_response(exc)(scope, receive, send)
             return
-        if lease.lease_id is None:  # bypass / disabled
-            await self._forward(scope, json.dumps(data).encode(), receive, send)
+        if lease.lease_id is None or lease.slot_id is None:  # bypass / disabled
+            await self._forward(scope, body, receive, send)
             return
-        data["id_slot"], data["cache_prompt"] = lease.slot_id, True
+        release = _Release(self.coordinator, lease.lease_id)
         status, timings = "aborted", None
         try:
+            pinned = _pin(body, data, lease.slot_id)
             status, timings = await self._forward(
-                scope,
-                json.dumps(data).encode(),
-                receive,
-                send,
-                extra=_kv_headers(lease),
-                lease_id=lease.lease_id,
+                scope, pinned, receive, send, extra=_kv_headers(lease), release=release
             )
         finally:
-            prompt_n = timings.get("prompt_n") if timings else None
-            cache_n = timings.get("cache_n") if timings else None
-            with contextlib.suppress(KvError):
-                await self.coordinator.release(
-                    lease.lease_id,
-                    status=status,  # type: ignore[arg-type]
-                    prompt_tokens=prompt_n if isinstance(prompt_n, int) else None,
-                    cached_tokens=cache_n if isinstance(cache_n, int) else None,
-                )
+            await release(status, timings)  # a no-op when the pump already released at the answer's end
 
     async def _forward(
         self,
@@ -209,58 +198,126 @@ class Proxy:
         send: Send,
         *,
         extra: list[tuple[bytes, bytes]] | None = None,
-        lease_id: str | None = None,
+        release: _Release | None = None,
     ) -> tuple[str, dict[str, Any] | None]:
         """Stream one request to llama-server and its answer back. Returns (release status, timings)."""
-        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k != self.session_header]
+        drop = _hop_by_hop(scope["headers"]) | {self.session_header}
         if self.expected is not None or self.llama_auth is not None:
-            headers = [(k, v) for k, v in headers if k != b"authorization"]
+            drop.add(b"authorization")
+        headers = [(k, v) for k, v in scope["headers"] if k not in drop]
         if self.llama_auth is not None:
             headers.append((b"authorization", self.llama_auth))
-        url = scope["path"] + (
-            f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else ""
-        )
-        request = self.upstream.build_request(scope["method"], url, headers=headers, content=body)
-        try:
+        target = scope["raw_path"].decode("latin-1") if scope.get("raw_path") else scope["path"]
+        if scope.get("query_string"):
+            target += "?" + scope["query_string"].decode("latin-1")
+
+        async def exchange() -> tuple[str, dict[str, Any] | None]:
             try:
-                response = await self.upstream.send(request, stream=True)
-            except httpx.RemoteProtocolError:
-                # llama-server closes a kept-alive connection after a streamed answer; a request sent on it
-                # gets no response at all, so it was never processed: send it once more on a new connection.
-                response = await self.upstream.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            err = BackendUnavailable(
-                f"llama-server at {self.upstream.base_url} did not answer ({type(exc).__name__})"
-            )
-            await error_response(err)(scope, receive, send)
-            return "error", None
-        tail = _Tail()
-        try:
-            out_headers = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": response.status_code,
-                    "headers": out_headers + (extra or []),
-                }
-            )
-            completed = await _race_disconnect(self._pump(response, send, tail, lease_id), receive)
-        finally:
-            await response.aclose()
-        if not completed:
+                response = await self.upstream.request(scope["method"], target, headers, body)
+            except UpstreamError as exc:
+                err = BackendUnavailable(f"llama-server at {self.upstream.base_url} did not answer: {exc}")
+                await error_response(err)(scope, receive, send)
+                return "error", None
+            tail = _Tail()
+            try:
+                # Content-Length is kept: the body goes through byte for byte, so the client sees
+                # llama-server's own framing and a cut-short answer stays detectably short.
+                out_drop = _hop_by_hop(response.headers) - {b"content-length"}
+                out_headers = [(k, v) for k, v in response.headers if k not in out_drop]
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": response.status_code,
+                        "headers": out_headers + (extra or []),
+                    }
+                )
+                if not await self._pump(response, send, tail, release):
+                    return "error", None
+            finally:
+                await response.aclose()  # closes the connection unless the answer ended cleanly
+            return ("ok" if response.status_code < 400 else "error"), tail.timings()
+
+        # The client may leave at any point, also while llama-server is still prefilling and has sent
+        # nothing: closing the upstream connection then is what stops llama-server's work on it.
+        outcome = await _race_disconnect(exchange(), receive)
+        if outcome is None:
             event(log, logging.INFO, "kv.proxy.client_disconnected", path=scope["path"])
             return "aborted", None
-        return ("ok" if response.status_code < 400 else "error"), tail.timings()
+        return outcome
 
-    async def _pump(self, response: httpx.Response, send: Send, tail: _Tail, lease_id: str | None) -> None:
-        renewed = time.monotonic()
-        async for chunk in response.aiter_raw():
-            tail.feed(chunk)
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if lease_id is not None and time.monotonic() - renewed > RENEW_EVERY_S:
-                self.coordinator.renew(lease_id)  # a long generation must not outlive its lease
-                renewed = time.monotonic()
+    async def _pump(self, response: Response, send: Send, tail: _Tail, release: _Release | None) -> bool:
+        """Forward the body; False when llama-server failed mid-answer (the client connection is then closed
+        without a proper end, so a truncated answer never looks complete).
+
+        The lease ends as soon as llama-server's answer is complete, before its last bytes go to the client:
+        a client that has the whole answer can count on the slot being free for its next request.
+        """
+        status = "ok" if response.status_code < 400 else "error"
+        try:
+            async for chunk in response.stream():
+                tail.feed(chunk)
+                if release is not None and response.finished:
+                    await release(status, tail.timings())
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamError as exc:
+            event(log, logging.WARNING, "kv.proxy.upstream_failed", error=str(exc))
+            return False
+        if release is not None:
+            await release(status, tail.timings())
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
+
+
+class _Release:
+    """Keeps one proxied lease alive while its request is in flight (a 100K-token prefill can outlast the
+    lease TTL before llama-server sends a byte), then ends it, once, with the engine's own prompt/cache
+    counts when there are any."""
+
+    def __init__(self, coordinator: Coordinator, lease_id: str) -> None:
+        self.coordinator, self.lease_id, self.done = coordinator, lease_id, False
+        self.every = min(RENEW_EVERY_S, coordinator.config.api.lease_ttl_s / 3)
+        self.timer = asyncio.get_running_loop().call_later(self.every, self._renew)
+
+    def _renew(self) -> None:
+        self.coordinator.renew(self.lease_id)
+        self.timer = asyncio.get_running_loop().call_later(self.every, self._renew)
+
+    async def __call__(self, status: str, timings: dict[str, Any] | None) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.timer.cancel()
+        prompt_n = timings.get("prompt_n") if timings else None
+        cache_n = timings.get("cache_n") if timings else None
+        with contextlib.suppress(KvError):
+            await self.coordinator.release(
+                self.lease_id,
+                status=status,  # type: ignore[arg-type]
+                prompt_tokens=prompt_n if isinstance(prompt_n, int) else None,
+                cached_tokens=cache_n if isinstance(cache_n, int) else None,
+            )
+
+
+def _hop_by_hop(headers: list[tuple[bytes, bytes]] | Any) -> set[bytes]:
+    """The fixed hop-by-hop set plus every header named by the message's own Connection header (RFC 9110)."""
+    names = set(HOP_BY_HOP)
+    for k, v in headers:
+        if k == b"connection":
+            names.update(t.strip().lower() for t in v.split(b",") if t.strip())
+    return names
+
+
+def _pin(body: bytes, data: dict[str, Any], slot_id: int) -> bytes:
+    """The request body with `id_slot` and `cache_prompt: true` set.
+
+    Agent prompts run to hundreds of kilobytes and re-encoding them costs milliseconds, so when the object
+    has neither key the two members are spliced in before its closing brace; otherwise it is re-encoded.
+    """
+    text = body.rstrip()
+    untouched = data and "id_slot" not in data and "cache_prompt" not in data
+    if untouched and _OBJECT_START.match(text) and text.endswith(b"}"):
+        return text[:-1] + b',"id_slot":%d,"cache_prompt":true}' % slot_id
+    return json.dumps({**data, "id_slot": slot_id, "cache_prompt": True}).encode()
 
 
 def _kv_headers(lease: AcquireResult) -> list[tuple[bytes, bytes]]:
@@ -272,28 +329,24 @@ def _kv_headers(lease: AcquireResult) -> list[tuple[bytes, bytes]]:
     return out
 
 
-async def _race_disconnect(pump: Awaitable[None], receive: Receive) -> bool:
-    """Run the response pump until it ends (True) or the client goes away first (False)."""
+async def _race_disconnect(work: Awaitable[T], receive: Receive) -> T | None:
+    """Run `work` until it ends (its result) or the client goes away first (None; `work` is cancelled)."""
 
     async def disconnected() -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
 
-    pump_task = asyncio.ensure_future(pump)
+    work_task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(disconnected())
     try:
-        done, _ = await asyncio.wait({pump_task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if pump_task in done:
-            pump_task.result()
-            return True
-        pump_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await pump_task
-        return False
+        done, _ = await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work_task in done:
+            return work_task.result()
+        return None
     finally:
-        for t in (pump_task, watch):
+        for t in (work_task, watch):
             t.cancel()
-        await asyncio.gather(pump_task, watch, return_exceptions=True)
+        await asyncio.gather(work_task, watch, return_exceptions=True)
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

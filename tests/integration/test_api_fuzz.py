@@ -53,6 +53,7 @@ def test_schemathesis_finds_no_server_error(tmp_path: Path) -> None:
             capture_output=True,
             text=True,
             timeout=600,
+            cwd=tmp_path,  # its example cache (.schemathesis/) stays out of the checkout
         )
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
         assert daemon.alive  # still up

@@ -1,0 +1,218 @@
+"""The proxy under uvicorn (as `kvsidecar serve` runs it) in front of a scripted origin, with the fake backend
+behind the coordinator: what reaches llama-server, what reaches the client, and failures mid-answer.
+The real-llama-server suite is tests/integration/test_proxy_real.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvsidecar.proxy import Proxy, _pin
+from kvsidecar.service import _uvicorn
+from tests.unit.coordinator_helpers import Harness, start_harness
+from tests.unit.origin import Origin, OriginConn, Request, keep_alive_origin
+
+TOKEN = "p" * 32
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@dataclass
+class Rig:
+    h: Harness
+    origin: Origin
+    url: str
+
+    def client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, headers=AUTH, timeout=10)
+
+
+async def rig(
+    tmp_path: Path, origin: Origin, *, proxy: dict[str, object] | None = None, **overrides: object
+) -> AsyncIterator[Rig]:
+    await origin.start()
+    h = await start_harness(
+        tmp_path,
+        servers={"local": {"base_url": origin.url}},
+        proxy={"enabled": True, **(proxy or {})},
+        **overrides,
+    )
+    proxy = Proxy(h.coordinator, h.coordinator.config, token=TOKEN, check_host=True)
+    server = _uvicorn(proxy, lifespan="off")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield Rig(h, origin, f"http://127.0.0.1:{sock.getsockname()[1]}")
+    finally:
+        server.should_exit = True
+        await task
+        await proxy.aclose()
+        await h.coordinator.aclose()
+        await origin.stop()
+
+
+TIMINGS = {"timings": {"prompt_n": 40, "cache_n": 0}}
+
+
+async def echo(request: Request) -> tuple[int, bytes, tuple[tuple[str, str], ...]]:
+    body = json.dumps({"content": "hi", **TIMINGS}).encode()
+    return 200, body, (("connection", "x-secret"), ("x-secret", "s"), ("content-type", "application/json"))
+
+
+@pytest.fixture
+async def r(tmp_path: Path) -> AsyncIterator[Rig]:
+    async for each in rig(tmp_path, keep_alive_origin(echo)):
+        yield each
+
+
+async def test_managed_request_is_pinned_and_released(r: Rig) -> None:
+    raw = b'{"prompt": "caf\\u00e9 \xe2\x98\x95", "n_predict": 2}'
+    async with r.client() as c:
+        resp = await c.post(
+            "/completion?x=1", content=raw, headers={"X-Session-Id": "s1", "Content-Type": "application/json"}
+        )
+    assert resp.status_code == 200 and resp.headers["x-kv-outcome"] == "cold"
+    sent = r.origin.requests[0]
+    assert sent.target == "/completion?x=1"
+    assert sent.body == raw[:-1] + b',"id_slot":0,"cache_prompt":true}'  # spliced, the rest byte for byte
+    assert "x-session-id" not in sent.headers and "authorization" not in sent.headers
+    status = r.h.coordinator.status()
+    assert status["leases"] == 0 and status["stats"]["acquires"] == 1
+
+
+async def test_hop_by_hop_headers_stop_at_the_proxy_both_ways(r: Rig) -> None:
+    async with r.client() as c:
+        resp = await c.get(
+            "/props",
+            headers={"Connection": "keep-alive, X-Hop", "X-Hop": "1", "TE": "trailers", "X-End": "2"},
+        )
+    sent = r.origin.requests[0]
+    assert sent.headers.get("x-end") == "2" and "x-hop" not in sent.headers and "te" not in sent.headers
+    assert "x-secret" not in resp.headers and resp.headers["content-type"] == "application/json"
+    assert resp.headers["content-length"] == str(len(resp.content))  # llama-server's own framing
+    assert "x-kv-outcome" not in resp.headers and r.h.coordinator.status()["stats"]["acquires"] == 0
+
+
+async def test_llama_answer_cut_mid_body_reaches_the_client_as_cut(tmp_path: Path) -> None:
+    async def handler(conn: OriginConn) -> None:
+        await conn.read_request()
+        await conn.send(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\ndata: \r\n")
+        conn.close()  # llama-server died mid-stream
+
+    async for each in rig(tmp_path, Origin(handler)):
+        async with each.client() as c:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await c.post(
+                    "/completion", json={"prompt": "x", "stream": True}, headers={"X-Session-Id": "s"}
+                )
+        status = each.h.coordinator.status()
+        assert status["leases"] == 0 and status["stats"]["restore_hits"] == 0
+
+
+async def test_silent_llama_is_a_502_with_a_stable_code(tmp_path: Path) -> None:
+    async def handler(conn: OriginConn) -> None:
+        await conn.read_request()
+        await conn.read_request()  # never answers
+
+    async for each in rig(tmp_path, Origin(handler), proxy={"upstream_timeout_s": 0.3}):
+        async with each.client() as c:
+            resp = await c.post("/completion", json={"prompt": "x"}, headers={"X-Session-Id": "s"})
+        assert resp.status_code == 502 and resp.json()["error"]["code"] == "KV_BACKEND_UNAVAILABLE"
+        assert "sent nothing for 0.3 s" in resp.json()["error"]["message"]
+        assert each.h.coordinator.status()["leases"] == 0
+
+
+def test_pin_splices_or_reencodes() -> None:
+    body = b' {"a": [1, {"b": "}"}]}\n '
+    assert _pin(body, json.loads(body), 3) == b' {"a": [1, {"b": "}"}],"id_slot":3,"cache_prompt":true}'
+    own = b'{"id_slot": 7, "cache_prompt": false, "p": "x"}'
+    assert json.loads(_pin(own, json.loads(own), 1)) == {"id_slot": 1, "cache_prompt": True, "p": "x"}
+    assert json.loads(_pin(b"{}", {}, 0)) == {"id_slot": 0, "cache_prompt": True}
+    bom = b'\xef\xbb\xbf{"p": 1}'
+    assert json.loads(_pin(bom, json.loads(bom), 2)) == {"p": 1, "id_slot": 2, "cache_prompt": True}
+
+
+async def test_client_gone_mid_stream_aborts_upstream_and_lease(tmp_path: Path) -> None:
+    upstream_closed = asyncio.Event()
+
+    async def handler(conn: OriginConn) -> None:
+        await conn.read_request()
+        await conn.send(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        try:
+            while True:  # generates until the proxy hangs up
+                await conn.send(b"c\r\ndata: {}\n\n\r\n")
+                await asyncio.sleep(0.02)
+        except ConnectionError:
+            upstream_closed.set()
+
+    async for each in rig(tmp_path, Origin(handler)):
+        async with (
+            each.client() as c,
+            c.stream("POST", "/completion", json={"stream": True}, headers={"X-Session-Id": "s"}) as resp,
+        ):
+            assert resp.headers["x-kv-outcome"] == "cold"
+            assert (await anext(resp.aiter_lines())).startswith("data: ")
+        await asyncio.wait_for(upstream_closed.wait(), 5)
+        for _ in range(100):
+            if each.h.coordinator.status()["leases"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert each.h.coordinator.status()["leases"] == 0
+
+
+async def test_oversized_body_is_refused_before_llama_sees_it(tmp_path: Path) -> None:
+    async for each in rig(tmp_path, keep_alive_origin(echo), proxy={"max_body_bytes": 1000}):
+        async with each.client() as c:
+            resp = await c.post("/completion", json={"prompt": "x" * 2000}, headers={"X-Session-Id": "s"})
+            ok = await c.post("/completion", json={"prompt": "x" * 100}, headers={"X-Session-Id": "s"})
+        assert resp.status_code == 413 and resp.json()["error"]["code"] == "KV_PAYLOAD_TOO_LARGE"
+        assert ok.status_code == 200 and len(each.origin.requests) == 1
+
+
+async def test_client_gone_before_llama_answers_aborts_the_prefill(tmp_path: Path) -> None:
+    """A harness that gives up during a long prefill: llama-server has sent nothing yet, and must still learn
+    (its connection closes) so that the slot is not busy for minutes on an answer nobody reads."""
+    upstream_closed = asyncio.Event()
+
+    async def handler(conn: OriginConn) -> None:
+        await conn.read_request()
+        if await conn.read_request() is None:  # "prefilling" until the proxy hangs up
+            upstream_closed.set()
+
+    async for each in rig(tmp_path, Origin(handler)):
+        async with each.client() as c:
+            call = asyncio.ensure_future(
+                c.post("/completion", json={"prompt": "long"}, headers={"X-Session-Id": "s"})
+            )
+            while not each.origin.connections:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            call.cancel()
+        await asyncio.wait_for(upstream_closed.wait(), 5)
+        for _ in range(100):
+            if each.h.coordinator.status()["leases"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert each.h.coordinator.status()["leases"] == 0
+
+
+async def test_lease_outlives_its_ttl_while_llama_is_busy(tmp_path: Path) -> None:
+    async def slow(request: Request) -> tuple[int, bytes, tuple[tuple[str, str], ...]]:
+        await asyncio.sleep(1.0)  # a prefill longer than the lease TTL, with nothing sent meanwhile
+        return await echo(request)
+
+    async for each in rig(tmp_path, keep_alive_origin(slow), api={"lease_ttl_s": 0.3}):
+        async with each.client() as c:
+            resp = await c.post("/completion", json={"prompt": "x"}, headers={"X-Session-Id": "s"})
+        assert resp.status_code == 200 and resp.headers["x-kv-outcome"] == "cold"
+        status = each.h.coordinator.status()
+        assert status["stats"]["leases_expired"] == 0 and status["leases"] == 0
