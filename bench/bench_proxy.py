@@ -155,8 +155,9 @@ def bench_overhead(rounds: int, *, prompt_tokens: int = 400, stream: bool = True
                 out[f"{m}_added_ms_p50"] = added
                 out[f"{m}_daemon_cpu_ms"] = {k: v / rounds * 1000 for k, v in cpu[m].items()}
             if stream:
+                # buffered, the first chunk would come with the last; streamed, long before half-way
                 out["stream_first_chunk_before_end"] = (
-                    out["proxy_managed"]["ttfc"]["p50"] < out["proxy_managed"]["end"]["p50"]
+                    out["proxy_managed"]["ttfc"]["p50"] < out["proxy_managed"]["end"]["p50"] / 2
                 )
         finally:
             proc.stop()
@@ -274,6 +275,8 @@ def main() -> int:
     print(
         f"streaming through the proxy: first chunk at {pm['ttfc']['p50']:.1f} ms, end at {pm['end']['p50']:.1f} ms"
     )
+    # Issue 7's streaming check, asserted here rather than as a timed test: the proxy does not buffer.
+    assert overhead["stream_first_chunk_before_end"], "the first streamed chunk arrived only at the end"
     for name in ("kvsidecar", "hearth"):
         r = side[name]
         print(f"{name}: A cold {r['A_cold_ms']:,.0f} ms, back to A {r['A_back_ms']:,.0f} ms")
