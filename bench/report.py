@@ -155,7 +155,7 @@ def section_proxy(r: dict[str, Any]) -> list[str]:
     return [
         "## Proxy mode",
         "",
-        f"Tiny generated model, {rounds} interleaved rounds (direct, managed, pass-through in turn); a 1-token "
+        f"Machine: {r['machine']['cpu']}, {r['machine']['cores']} cores, {r['machine']['date']}. Tiny generated model, {rounds} interleaved rounds (direct, managed, pass-through in turn); a 1-token "
         f"request (whole) and a 64-token stream (first chunk, end of stream), on a resident "
         f"{o.get('prompt_tokens_engine', o['prompt_tokens']):,}-token prompt. The large column repeats the "
         f"whole request with an agent-sized body ({big['request_body_bytes']:,} bytes, a "

@@ -58,5 +58,16 @@ class Metrics:
             "kv_gc_deleted_bytes", "Bytes deleted by retention", ["reason"], registry=r
         )
 
+        self.proxy_request = Counter(
+            "kv_proxy_request",
+            "Proxied requests: kind managed/passthrough/refused; result ok/error/aborted/unavailable or "
+            "the refusal's error code",
+            ["kind", "result"],
+            registry=r,
+        )
+        self.proxy_connect = Counter(
+            "kv_proxy_upstream_connect", "Connections the proxy opened to llama-server", registry=r
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -112,7 +112,9 @@ class Proxy:
             server.base_url,
             connect_timeout_s=server.connect_timeout_s,
             read_timeout_s=self.cfg.upstream_timeout_s,
+            on_connect=coordinator.metrics.proxy_connect.inc,
         )
+        self.requests = coordinator.metrics.proxy_request
         self.session_header = self.cfg.session_header.lower().encode()
 
     async def aclose(self) -> None:
@@ -127,22 +129,26 @@ class Proxy:
         headers = dict(scope.get("headers", []))
         refusal = refuse(scope, headers, expected=self.expected, check_host=self.check_host)
         if refusal is not None:
-            await error_response(refusal)(scope, receive, send)
+            await self._refuse(refusal, scope, receive, send)
             return
         body = await read_body(receive, self.cfg.max_body_bytes)
         if body is None:
             too_big = PayloadTooLarge(f"request body is over {self.cfg.max_body_bytes} bytes")
-            await error_response(too_big)(scope, receive, send)
+            await self._refuse(too_big, scope, receive, send)
             return
         try:
             session, data = self._session(scope, headers, body)
         except KvError as exc:
-            await error_response(exc)(scope, receive, send)
+            await self._refuse(exc, scope, receive, send)
             return
         if session is None or data is None or self.provider is None:
             await self._forward(scope, body, receive, send)
             return
         await self._managed(scope, receive, send, session, data, body)
+
+    async def _refuse(self, exc: KvError, scope: Scope, receive: Receive, send: Send) -> None:
+        self.requests.labels("refused", exc.code).inc()
+        await error_response(exc)(scope, receive, send)
 
     def _session(
         self, scope: Scope, headers: dict[bytes, bytes], body: bytes
@@ -175,7 +181,7 @@ class Proxy:
         try:
             lease = await self.coordinator.acquire(session, provider=self.provider, model=str(model))
         except KvError as exc:
-            await error_response(exc)(scope, receive, send)
+            await self._refuse(exc, scope, receive, send)
             return
         if lease.lease_id is None or lease.slot_id is None:  # bypass / disabled
             await self._forward(scope, body, receive, send)
@@ -200,7 +206,8 @@ class Proxy:
         extra: list[tuple[bytes, bytes]] | None = None,
         release: _Release | None = None,
     ) -> tuple[str, dict[str, Any] | None]:
-        """Stream one request to llama-server and its answer back. Returns (release status, timings)."""
+        """Stream one request to llama-server and its answer back. Returns (release status, timings): ok /
+        error (llama-server's answer was an HTTP error, or it failed or never answered) / aborted."""
         drop = _hop_by_hop(scope["headers"]) | {self.session_header}
         if self.expected is not None or self.llama_auth is not None:
             drop.add(b"authorization")
@@ -217,7 +224,7 @@ class Proxy:
             except UpstreamError as exc:
                 err = BackendUnavailable(f"llama-server at {self.upstream.base_url} did not answer: {exc}")
                 await error_response(err)(scope, receive, send)
-                return "error", None
+                return "unavailable", None
             tail = _Tail()
             try:
                 # Content-Length is kept: the body goes through byte for byte, so the client sees
@@ -240,10 +247,11 @@ class Proxy:
         # The client may leave at any point, also while llama-server is still prefilling and has sent
         # nothing: closing the upstream connection then is what stops llama-server's work on it.
         outcome = await _race_disconnect(exchange(), receive)
+        result, timings = outcome if outcome is not None else ("aborted", None)
+        self.requests.labels("passthrough" if release is None else "managed", result).inc()
         if outcome is None:
             event(log, logging.INFO, "kv.proxy.client_disconnected", path=scope["path"])
-            return "aborted", None
-        return outcome
+        return ("error" if result == "unavailable" else result), timings
 
     async def _pump(self, response: Response, send: Send, tail: _Tail, release: _Release | None) -> bool:
         """Forward the body; False when llama-server failed mid-answer (the client connection is then closed

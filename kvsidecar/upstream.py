@@ -17,7 +17,7 @@ import asyncio
 import collections
 import socket
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -234,7 +234,13 @@ class Response:
 
 class Upstream:
     def __init__(
-        self, base_url: str, *, connect_timeout_s: float, read_timeout_s: float, max_idle: int = 16
+        self,
+        base_url: str,
+        *,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        max_idle: int = 16,
+        on_connect: Callable[[], None] | None = None,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -248,7 +254,8 @@ class Upstream:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.max_idle = max_idle
-        self.connects = 0  # connections opened, for tests and the status page
+        self.connects = 0  # connections opened
+        self.on_connect = on_connect
         self._idle: list[_Conn] = []
 
     async def request(
@@ -295,6 +302,8 @@ class Upstream:
         except (OSError, TimeoutError, ssl.SSLError) as exc:
             raise UpstreamError(f"cannot connect to {self.host}:{self.port} ({type(exc).__name__})") from exc
         self.connects += 1
+        if self.on_connect is not None:
+            self.on_connect()
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -216,3 +216,20 @@ async def test_lease_outlives_its_ttl_while_llama_is_busy(tmp_path: Path) -> Non
         assert resp.status_code == 200 and resp.headers["x-kv-outcome"] == "cold"
         status = each.h.coordinator.status()
         assert status["stats"]["leases_expired"] == 0 and status["leases"] == 0
+
+
+async def test_proxy_metrics_count_requests_by_kind_and_result(r: Rig) -> None:
+    async with r.client() as c:
+        await c.post("/completion", json={"prompt": "a"}, headers={"X-Session-Id": "s"})
+        await c.post("/completion", json={"prompt": "b"}, headers={"X-Session-Id": "s"})
+        await c.get("/props")
+        await c.post("/completion", json={"prompt": "c"}, headers={"X-Session-Id": "../x"})
+        await c.get("/props", headers={"Authorization": "Bearer wrong"})
+    registry = r.h.coordinator.metrics.registry
+
+    def count(kind: str, result: str) -> float | None:
+        return registry.get_sample_value("kv_proxy_request_total", {"kind": kind, "result": result})
+
+    assert count("managed", "ok") == 2 and count("passthrough", "ok") == 1
+    assert count("refused", "KV_INVALID_SESSION_ID") == 1 and count("refused", "KV_UNAUTHORIZED") == 1
+    assert registry.get_sample_value("kv_proxy_upstream_connect_total") == 1  # one kept-alive connection
