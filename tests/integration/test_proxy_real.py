@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -151,3 +152,54 @@ def test_upstream_down_is_a_clear_502(setup: Setup) -> None:
     )
     assert r.status_code == 502 and r.json()["error"]["code"] == "KV_BACKEND_UNAVAILABLE"
     assert setup.status()["leases"] == 0 and setup.daemon.alive
+
+
+async def test_proxy_over_a_slot_pool_runs_sessions_side_by_side(
+    start_llama: StartServer, tmp_path: Path
+) -> None:
+    """managed-slots behind the proxy: two sessions stream at the same time, each pinned to its own slot,
+    and after two other sessions took the slots, both come back restored."""
+    llama = start_llama(parallel=2, ctx_size=8192)
+    proxy_port = free_port()
+    daemon = DaemonProcess(
+        tmp_path,
+        base_url=llama.base_url,
+        snapshot_dir=llama.slot_save_path,  # type: ignore[arg-type]
+        token=TOKEN,
+        servers={"local": {"mode": "managed-slots"}},
+        proxy={"enabled": True, "listen": f"127.0.0.1:{proxy_port}"},
+    ).start()
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    async def turn(c: httpx.AsyncClient, session: str, n: int) -> tuple[str, float, float, dict[str, Any]]:
+        body = {"prompt": words(session, 600 * n), "n_predict": 24, "stream": True, "ignore_eos": True}
+        headers = {**auth, "X-Session-Id": session}
+        first = end = 0.0
+        last: dict[str, Any] = {}
+        async with c.stream(
+            "POST", f"http://127.0.0.1:{proxy_port}/completion", json=body, headers=headers
+        ) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    first = first or time.monotonic()
+                    last = json.loads(line[6:])
+            end = time.monotonic()
+        return r.headers["x-kv-outcome"], first, end, last
+
+    try:
+        async with httpx.AsyncClient(timeout=120) as c:
+            a, b = await asyncio.gather(turn(c, "A", 1), turn(c, "B", 1))
+            assert a[0] == b[0] == "cold"
+            assert a[1] < b[2] and b[1] < a[2]  # each streamed while the other was still streaming
+            await asyncio.gather(turn(c, "C", 1), turn(c, "D", 1))  # A and B saved, slots taken
+            back = await asyncio.gather(turn(c, "A", 2), turn(c, "B", 2))
+        for outcome, _first, _end, last in back:
+            assert outcome == "restored"
+            assert last["timings"]["cache_n"] > 800  # the engine reused the restored prefix
+        slots = {s["id_slot"] for *_, s in back}
+        assert slots == {0, 1}
+        status = dict(httpx.get(f"{daemon.url}/v1/status", headers=daemon.auth).json())
+        assert status["leases"] == 0 and status["stats"]["restore_ineffective"] == 0
+    finally:
+        daemon.stop()
