@@ -93,6 +93,9 @@ def test_openai_sdk_streaming(setup: Setup) -> None:
     chunks = [c for c in stream]
     assert len(chunks) >= 2 and any(c.choices and c.choices[0].delta.content for c in chunks)
     assert setup.status()["stats"]["restore_hits"] == 1 and setup.status()["leases"] == 0
+    # the engine's timings were found in the event stream: the restore was verified, not left unknown
+    metrics = httpx.get(f"{setup.daemon.url}/metrics", headers=setup.daemon.auth).text
+    assert 'kv_restore_verified_total{result="effective",server="local"} 1.0' in metrics
 
 
 def test_unmanaged_requests_pass_through_untouched(setup: Setup) -> None:
