@@ -191,7 +191,7 @@ class Proxy:
         try:
             pinned = _pin(body, data, lease.slot_id)
             status, timings = await self._forward(
-                scope, pinned, receive, send, extra=_kv_headers(lease), release=release
+                scope, pinned, receive, send, extra=_kv_headers(lease), release=release, slot_id=lease.slot_id
             )
         finally:
             await release(status, timings)  # a no-op when the pump already released at the answer's end
@@ -205,6 +205,7 @@ class Proxy:
         *,
         extra: list[tuple[bytes, bytes]] | None = None,
         release: _Release | None = None,
+        slot_id: int | None = None,
     ) -> tuple[str, dict[str, Any] | None]:
         """Stream one request to llama-server and its answer back. Returns (release status, timings): ok /
         error (llama-server's answer was an HTTP error, or it failed or never answered) / aborted."""
@@ -218,9 +219,16 @@ class Proxy:
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode("latin-1")
 
+        async def busy() -> bool:
+            """Asked after `proxy.upstream_timeout_s` of silence: is llama-server still working on it?"""
+            slots = await self.coordinator.servers[self.cfg.server].backend.inspect_slots()
+            return any(s.is_processing for s in slots if slot_id is None or s.id == slot_id)
+
         async def exchange() -> tuple[str, dict[str, Any] | None]:
             try:
-                response = await self.upstream.request(scope["method"], target, headers, body)
+                response = await self.upstream.request(
+                    scope["method"], target, headers, body, still_working=busy
+                )
             except UpstreamError as exc:
                 err = BackendUnavailable(f"llama-server at {self.upstream.base_url} did not answer: {exc}")
                 await error_response(err)(scope, receive, send)

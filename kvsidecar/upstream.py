@@ -17,7 +17,7 @@ import asyncio
 import collections
 import socket
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -43,6 +43,8 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.reused = False
+        self.news = 0  # bumped on every parser event: tells real news from a silence timer
+        self.still_working: Callable[[], Awaitable[bool]] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -142,6 +144,7 @@ class _Conn(asyncio.Protocol):
         return any(n in (b"content-length", b"transfer-encoding") for n, _ in self.headers)
 
     def _wake(self) -> None:
+        self.news += 1
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
@@ -157,11 +160,16 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
     async def wait(self, timeout: float) -> None:
-        """Until the parser has news for the reader; raises the connection's error or a timeout."""
+        """Until the parser has news for the reader; raises the connection's error or a timeout.
+
+        Silence for `timeout` is a timeout unless `still_working` (when set) says llama-server is busy with
+        this request: a long prefill sends nothing until it is done, however long it takes.
+        """
         if self.error is not None:
             raise self.error
+        seen = self.news
         self.waiter = self.loop.create_future()
-        timer = self.loop.call_later(timeout, self._timed_out, self.waiter, timeout)
+        timer = self.loop.call_later(timeout, self._timed_out, self.waiter)
         try:
             await self.waiter
         finally:
@@ -169,10 +177,22 @@ class _Conn(asyncio.Protocol):
             self.waiter = None
         if self.error is not None:
             raise self.error
+        if self.news != seen:
+            return
+        # silence
+        if self.still_working is not None:
+            try:
+                busy = await self.still_working()
+            except Exception:  # cannot tell (llama-server unreachable...): treat as not working
+                busy = False
+            if busy or self.news != seen or self.error is not None:
+                return  # the caller looks at the state and waits again
+        self._fail(UpstreamError(f"llama-server sent nothing for {timeout:g} s"))
+        raise self.error or UpstreamError("timeout")
 
-    def _timed_out(self, waiter: asyncio.Future[None], timeout: float) -> None:
+    def _timed_out(self, waiter: asyncio.Future[None]) -> None:
         if waiter is self.waiter and not waiter.done():
-            self._fail(UpstreamError(f"llama-server sent nothing for {timeout:g} s"))
+            waiter.set_result(None)
 
     def take(self) -> bytes:
         data = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
@@ -259,7 +279,13 @@ class Upstream:
         self._idle: list[_Conn] = []
 
     async def request(
-        self, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes
+        self,
+        method: str,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        still_working: Callable[[], Awaitable[bool]] | None = None,
     ) -> Response:
         """Send one request; returns once the response head is in. A request sent on a kept-alive connection
         that the server had already closed got no answer at all, so it is sent once more on a new one."""
@@ -267,7 +293,7 @@ class Upstream:
         while True:
             conn = await self._connection()
             try:
-                return await self._exchange(conn, method, head, body)
+                return await self._exchange(conn, method, head, body, still_working)
             except _NoResponse:
                 if not conn.reused:
                     raise
@@ -309,8 +335,16 @@ class Upstream:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
 
-    async def _exchange(self, conn: _Conn, method: str, head: bytes, body: bytes) -> Response:
+    async def _exchange(
+        self,
+        conn: _Conn,
+        method: str,
+        head: bytes,
+        body: bytes,
+        still_working: Callable[[], Awaitable[bool]] | None,
+    ) -> Response:
         conn._reset()
+        conn.still_working = still_working
         conn.active = True
         conn.head_only = method == "HEAD"
         assert conn.transport is not None

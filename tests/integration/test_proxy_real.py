@@ -206,3 +206,34 @@ async def test_proxy_over_a_slot_pool_runs_sessions_side_by_side(
         assert status["leases"] == 0 and status["stats"]["restore_ineffective"] == 0
     finally:
         daemon.stop()
+
+
+def test_silent_generation_longer_than_the_timeout_is_waited_for(
+    start_llama: StartServer, tmp_path: Path
+) -> None:
+    """A non-streamed request sends nothing until it is done. With a 0.2 s silence timeout the proxy asks
+    llama-server's /slots, sees the slot busy, and keeps waiting instead of cutting the request."""
+    llama = start_llama(ctx_size=4096)
+    proxy_port = free_port()
+    daemon = DaemonProcess(
+        tmp_path,
+        base_url=llama.base_url,
+        snapshot_dir=llama.slot_save_path,  # type: ignore[arg-type]
+        token=TOKEN,
+        proxy={"enabled": True, "listen": f"127.0.0.1:{proxy_port}", "upstream_timeout_s": 0.2},
+    ).start()
+    try:
+        body = {"prompt": words("L", 300), "n_predict": 800, "ignore_eos": True, "temperature": 0}
+        t0 = time.monotonic()
+        r = httpx.post(
+            f"http://127.0.0.1:{proxy_port}/completion",
+            json=body,
+            headers={"Authorization": f"Bearer {TOKEN}", "X-Session-Id": "L"},
+            timeout=120,
+        )
+        silent_s = time.monotonic() - t0
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens_predicted"] == 800
+        assert silent_s > 0.2  # the answer really came after more silence than the timeout
+    finally:
+        daemon.stop()

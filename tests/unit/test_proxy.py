@@ -233,3 +233,18 @@ async def test_proxy_metrics_count_requests_by_kind_and_result(r: Rig) -> None:
     assert count("managed", "ok") == 2 and count("passthrough", "ok") == 1
     assert count("refused", "KV_INVALID_SESSION_ID") == 1 and count("refused", "KV_UNAUTHORIZED") == 1
     assert registry.get_sample_value("kv_proxy_upstream_connect_total") == 1  # one kept-alive connection
+
+
+async def test_long_silent_prefill_is_waited_for_while_the_slot_is_busy(tmp_path: Path) -> None:
+    async def handler(conn: OriginConn) -> None:
+        await conn.read_request()
+        await asyncio.sleep(1.0)  # longer than upstream_timeout_s, with the slot reported busy
+        await conn.respond(json.dumps(TIMINGS).encode())
+        await conn.read_request()
+
+    async for each in rig(tmp_path, Origin(handler), proxy={"upstream_timeout_s": 0.3}):
+        each.h.fake.slots[0].is_processing = True
+        async with each.client() as c:
+            resp = await c.post("/completion", json={"prompt": "x"}, headers={"X-Session-Id": "s"})
+        assert resp.status_code == 200 and resp.json() == TIMINGS
+        assert each.h.coordinator.status()["leases"] == 0

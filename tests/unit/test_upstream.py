@@ -302,3 +302,38 @@ async def test_informational_responses_are_skipped_and_extra_answers_distrusted(
         await asyncio.sleep(0.05)
         assert await fetch(up) == b"ok" and origin.connections == 2  # the confused connection was dropped
         await up.aclose()
+
+
+@on_both_loops
+async def test_silence_while_the_server_is_still_working_is_not_a_timeout() -> None:
+    """A long prefill sends nothing until it is done: past the silence timeout the client asks whether
+    llama-server is still busy, and keeps waiting while it is."""
+    asked: list[float] = []
+
+    async def handler(conn: OriginConn) -> None:
+        await conn.read_request()
+        await asyncio.sleep(0.5)  # "prefilling", silent for longer than the 0.1 s timeout
+        await conn.respond(b"done")
+        await conn.read_request()
+
+    async def still_working() -> bool:
+        asked.append(asyncio.get_running_loop().time())
+        return True
+
+    async for origin in started(Origin(handler)):
+        up = client(origin, read_timeout_s=0.1)
+        response = await up.request("GET", "/", [], b"", still_working=still_working)
+        assert await response.read() == b"done"
+        await response.aclose()
+        assert 2 <= len(asked) <= 6  # asked about every 0.1 s of silence, not in a busy loop
+
+        async def not_working() -> bool:
+            return False
+
+        async def broken() -> bool:
+            raise OSError("llama-server unreachable")
+
+        for check in (not_working, broken):
+            with pytest.raises(UpstreamError, match="sent nothing"):
+                await up.request("GET", "/", [], b"", still_working=check)
+        await up.aclose()
