@@ -168,12 +168,12 @@ def section_proxy(r: dict[str, Any]) -> list[str]:
         "|---|---:|---:|---:|---:|---:|---:|",
         *rows,
         "",
-        f"Added by the proxy (p50, same run): managed +{man['whole']:.2f} ms per request and "
-        f"+{man['ttfc']:.2f} ms to the first chunk; pass-through +{pas['whole']:.2f} ms and "
-        f"+{pas['ttfc']:.2f} ms. Target p50 < 2 ms: {'met' if worst < 2 else 'MISSED'} (worst of the four "
+        f"Added by the proxy (p50, same run): managed {man['whole']:+.2f} ms per request and "
+        f"{man['ttfc']:+.2f} ms to the first chunk; pass-through {pas['whole']:+.2f} ms and "
+        f"{pas['ttfc']:+.2f} ms. Target p50 < 2 ms: {'met' if worst < 2 else 'MISSED'} (worst of the four "
         f"{worst:.2f} ms). With the large body: managed "
-        f"+{big['proxy_managed_added_ms_p50']['whole']:.2f} ms, pass-through "
-        f"+{big['proxy_passthrough_added_ms_p50']['whole']:.2f} ms; there llama-server's own time for the "
+        f"{big['proxy_managed_added_ms_p50']['whole']:+.2f} ms, pass-through "
+        f"{big['proxy_passthrough_added_ms_p50']['whole']:+.2f} ms; there llama-server's own time for the "
         f"same request spreads from {big['direct']['whole']['min']:.0f} to {big['direct']['whole']['p90']:.0f} ms "
         "(min to p90), and the differences move by about a millisecond from run to run, so the daemon's CPU "
         f"is the steadier gauge: {big['proxy_managed_daemon_cpu_ms']['whole']:.2f} ms managed, "
