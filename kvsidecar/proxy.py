@@ -69,13 +69,20 @@ class _Tail:
 
     def __init__(self) -> None:
         self.buf = bytearray()
+        self.parsed: tuple[dict[str, Any] | None] | None = None
 
     def feed(self, chunk: bytes) -> None:
         self.buf += chunk
+        self.parsed = None
         if len(self.buf) > 2 * _TAIL_BYTES:
             del self.buf[: len(self.buf) - _TAIL_BYTES]
 
     def timings(self) -> dict[str, Any] | None:
+        if self.parsed is None:
+            self.parsed = (self._parse(),)
+        return self.parsed[0]
+
+    def _parse(self) -> dict[str, Any] | None:
         text = self.buf.decode("utf-8", errors="replace")
         with contextlib.suppress(ValueError):
             whole = json.loads(text)
