@@ -204,22 +204,32 @@ class HotPath:
 
     async def _acquire(self, session_id: str, receive: Receive) -> dict[str, Any]:
         body = _parse(AcquireBody, await _one_body(receive))
-        result = await self.coordinator.acquire(
-            validate_session_id(session_id),
-            provider=body.provider,
-            model=body.model,
-            purpose=body.purpose,
-            seq=body.seq,
-        )
-        return result.to_dict()
+        return await acquire_session(self.coordinator, session_id, body)
 
     async def _release(self, lease_id: str, receive: Receive) -> dict[str, Any]:
         body = _parse(ReleaseBody, await _one_body(receive))
         if not 0 < len(lease_id) <= 64:
             raise LeaseNotFound("no such lease")
-        return await self.coordinator.release(
-            lease_id, status=body.status, prompt_tokens=body.prompt_tokens, cached_tokens=body.cached_tokens
-        )
+        return await release_lease(self.coordinator, lease_id, body)
+
+
+async def acquire_session(coordinator: Coordinator, session_id: str, body: AcquireBody) -> dict[str, Any]:
+    """The acquire hook, for both HotPath and its FastAPI twin."""
+    result = await coordinator.acquire(
+        validate_session_id(session_id),
+        provider=body.provider,
+        model=body.model,
+        purpose=body.purpose,
+        seq=body.seq,
+    )
+    return result.to_dict()
+
+
+async def release_lease(coordinator: Coordinator, lease_id: str, body: ReleaseBody) -> dict[str, Any]:
+    """The release hook, for both HotPath and its FastAPI twin."""
+    return await coordinator.release(
+        lease_id, status=body.status, prompt_tokens=body.prompt_tokens, cached_tokens=body.cached_tokens
+    )
 
 
 async def _one_body(receive: Receive) -> bytes:
@@ -293,14 +303,7 @@ def _install_routes(app: FastAPI, coordinator: Coordinator) -> None:
 
     @app.post("/v1/sessions/{session_id}/acquire")
     async def acquire(session_id: SessionIdPath, body: AcquireBody) -> dict[str, Any]:
-        result = await coordinator.acquire(
-            validate_session_id(session_id),
-            provider=body.provider,
-            model=body.model,
-            purpose=body.purpose,
-            seq=body.seq,
-        )
-        return result.to_dict()
+        return await acquire_session(coordinator, session_id, body)
 
     @app.post("/v1/acquire")
     async def acquire_auxiliary(body: AcquireBody) -> dict[str, Any]:
@@ -312,9 +315,7 @@ def _install_routes(app: FastAPI, coordinator: Coordinator) -> None:
 
     @app.post("/v1/leases/{lease_id}/release")
     async def release(lease_id: LeaseIdPath, body: ReleaseBody) -> dict[str, Any]:
-        return await coordinator.release(
-            lease_id, status=body.status, prompt_tokens=body.prompt_tokens, cached_tokens=body.cached_tokens
-        )
+        return await release_lease(coordinator, lease_id, body)
 
     @app.post("/v1/sessions/{session_id}/events")
     async def session_event(session_id: SessionIdPath, body: EventBody) -> dict[str, Any]:
