@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import httptools
 
 _HIGH_WATER = 512 * 1024  # pause reading llama-server when this much is waiting for the client
-_LOW_WATER = 64 * 1024
+_ONE_WRITE_BYTES = 64 * 1024  # head and body go out in one write below this body size
 
 
 class UpstreamError(Exception):
@@ -187,8 +187,9 @@ class _Conn(asyncio.Protocol):
                 busy = False
             if busy or self.news != seen or self.error is not None:
                 return  # the caller looks at the state and waits again
-        self._fail(UpstreamError(f"llama-server sent nothing for {timeout:g} s"))
-        raise self.error or UpstreamError("timeout")
+        error = UpstreamError(f"llama-server sent nothing for {timeout:g} s")
+        self._fail(error)
+        raise error
 
     def _timed_out(self, waiter: asyncio.Future[None]) -> None:
         if waiter is self.waiter and not waiter.done():
@@ -211,7 +212,6 @@ class Response:
         self._client = client
         self._conn = conn
         self._timeout = read_timeout
-        self._done = False
         self.status_code = conn.status
         self.headers = conn.headers
 
@@ -229,7 +229,6 @@ class Response:
             if conn.complete:
                 break
             await conn.wait(self._timeout)
-        self._done = True
 
     async def read(self) -> bytes:
         return b"".join([piece async for piece in self.stream()])
@@ -238,8 +237,7 @@ class Response:
         """Give the connection back if the exchange ended cleanly, else close it (aborting the request)."""
         conn = self._conn
         reusable = (
-            self._done
-            and conn.complete
+            self.finished  # every byte handed out, so nothing of this answer is left on the wire
             and conn.error is None
             and not conn.closed
             and not conn.head_only
@@ -350,8 +348,10 @@ class Upstream:
         assert conn.transport is not None
         if conn.closed:
             raise _NoResponse("connection closed")
-        conn.transport.write(head + body if len(body) < 65536 else head)
-        if len(body) >= 65536:
+        if len(body) < _ONE_WRITE_BYTES:
+            conn.transport.write(head + body)
+        else:  # not worth copying a large body to save a syscall
+            conn.transport.write(head)
             conn.transport.write(body)
         while not conn.head_done:
             await conn.wait(self.read_timeout_s)

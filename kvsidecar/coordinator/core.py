@@ -775,7 +775,7 @@ class Coordinator:
         return result
 
     def renew(self, lease_id: str) -> None:
-        """Push a lease's expiry back by a full TTL (the proxy calls this while a long answer streams)."""
+        """Push a lease's expiry back by a full TTL (the proxy does so while its request is in flight)."""
         lease = self._leases.get(lease_id)
         if lease is None:
             return
