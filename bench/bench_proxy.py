@@ -47,16 +47,15 @@ def wait_http(url: str, timeout_s: float = 60) -> None:
 
 
 def start_kvsidecar(work: Path, llama: LlamaServer) -> tuple[DaemonProcess, str]:
-    proxy_port = free_port()
     daemon = DaemonProcess(
         work / "kvsidecar",
         base_url=llama.base_url,
         snapshot_dir=llama.slot_save_path,  # type: ignore[arg-type]
         token=TOKEN,
         logging={"level": "warning"},
-        proxy={"enabled": True, "listen": f"127.0.0.1:{proxy_port}"},
+        proxy={"enabled": True},
     ).start()
-    return daemon, f"http://127.0.0.1:{proxy_port}"
+    return daemon, daemon.proxy_url
 
 
 def timed(

@@ -47,6 +47,9 @@ class DaemonProcess:
             "api": {"listen": f"127.0.0.1:{self.port}", "token_file": str(work / "token")},
         }
         self.config = _merge(config, overrides)
+        proxy = self.config.get("proxy")
+        if isinstance(proxy, dict) and proxy.get("enabled") and "listen" not in proxy:
+            self.config["proxy"] = {**proxy, "listen": f"127.0.0.1:{free_port()}"}
         self.config_path = work / "config.yaml"
         self.config_path.write_text(yaml.safe_dump(self.config))
         self.log_path = work / "daemon.log"
@@ -56,6 +59,11 @@ class DaemonProcess:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def proxy_url(self) -> str:
+        """The proxy listener (`proxy={"enabled": True}` without a `listen` gets a free loopback port)."""
+        return f"http://{self.config['proxy']['listen']}"
 
     @property
     def auth(self) -> dict[str, str]:

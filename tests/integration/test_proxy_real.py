@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from kvsidecar.testing.daemon import DaemonProcess
-from kvsidecar.testing.llama import LlamaServer, free_port, words
+from kvsidecar.testing.llama import LlamaServer, words
 from tests.conftest import StartServer
 
 TOKEN = "proxy-token-0123456789abcdef"
@@ -31,19 +31,25 @@ class Setup:
         return dict(httpx.get(f"{self.daemon.url}/v1/status", headers=self.daemon.auth).json())
 
 
+def proxy_daemon(
+    llama: LlamaServer, work: Path, *, proxy: dict[str, Any] | None = None, **overrides: Any
+) -> DaemonProcess:
+    return DaemonProcess(
+        work,
+        base_url=llama.base_url,
+        snapshot_dir=llama.slot_save_path,  # type: ignore[arg-type]
+        token=TOKEN,
+        proxy={"enabled": True, **(proxy or {})},
+        **overrides,
+    ).start()
+
+
 @pytest.fixture
 def setup(start_llama: StartServer, tmp_path: Path) -> Iterator[Setup]:
     llama = start_llama(ctx_size=4096)
-    proxy_port = free_port()
-    daemon = DaemonProcess(
-        tmp_path,
-        base_url=llama.base_url,
-        snapshot_dir=llama.slot_save_path,
-        token=TOKEN,  # type: ignore[arg-type]
-        proxy={"enabled": True, "listen": f"127.0.0.1:{proxy_port}"},
-    ).start()
+    daemon = proxy_daemon(llama, tmp_path)
     try:
-        yield Setup(llama=llama, proxy=f"http://127.0.0.1:{proxy_port}", daemon=daemon)
+        yield Setup(llama=llama, proxy=daemon.proxy_url, daemon=daemon)
     finally:
         daemon.stop()
 
@@ -163,15 +169,7 @@ async def test_proxy_over_a_slot_pool_runs_sessions_side_by_side(
     """managed-slots behind the proxy: two sessions stream at the same time, each pinned to its own slot,
     and after two other sessions took the slots, both come back restored."""
     llama = start_llama(parallel=2, ctx_size=8192)
-    proxy_port = free_port()
-    daemon = DaemonProcess(
-        tmp_path,
-        base_url=llama.base_url,
-        snapshot_dir=llama.slot_save_path,  # type: ignore[arg-type]
-        token=TOKEN,
-        servers={"local": {"mode": "managed-slots"}},
-        proxy={"enabled": True, "listen": f"127.0.0.1:{proxy_port}"},
-    ).start()
+    daemon = proxy_daemon(llama, tmp_path, servers={"local": {"mode": "managed-slots"}})
     auth = {"Authorization": f"Bearer {TOKEN}"}
 
     async def turn(c: httpx.AsyncClient, session: str, n: int) -> tuple[str, float, float, dict[str, Any]]:
@@ -179,9 +177,7 @@ async def test_proxy_over_a_slot_pool_runs_sessions_side_by_side(
         headers = {**auth, "X-Session-Id": session}
         first = end = 0.0
         last: dict[str, Any] = {}
-        async with c.stream(
-            "POST", f"http://127.0.0.1:{proxy_port}/completion", json=body, headers=headers
-        ) as r:
+        async with c.stream("POST", f"{daemon.proxy_url}/completion", json=body, headers=headers) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
@@ -214,19 +210,12 @@ def test_silent_generation_longer_than_the_timeout_is_waited_for(
     """A non-streamed request sends nothing until it is done. With a 0.2 s silence timeout the proxy asks
     llama-server's /slots, sees the slot busy, and keeps waiting instead of cutting the request."""
     llama = start_llama(ctx_size=4096)
-    proxy_port = free_port()
-    daemon = DaemonProcess(
-        tmp_path,
-        base_url=llama.base_url,
-        snapshot_dir=llama.slot_save_path,  # type: ignore[arg-type]
-        token=TOKEN,
-        proxy={"enabled": True, "listen": f"127.0.0.1:{proxy_port}", "upstream_timeout_s": 0.2},
-    ).start()
+    daemon = proxy_daemon(llama, tmp_path, proxy={"upstream_timeout_s": 0.2})
     try:
         body = {"prompt": words("L", 300), "n_predict": 800, "ignore_eos": True, "temperature": 0}
         t0 = time.monotonic()
         r = httpx.post(
-            f"http://127.0.0.1:{proxy_port}/completion",
+            f"{daemon.proxy_url}/completion",
             json=body,
             headers={"Authorization": f"Bearer {TOKEN}", "X-Session-Id": "L"},
             timeout=120,

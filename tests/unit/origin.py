@@ -70,7 +70,6 @@ class Origin:
     server: asyncio.Server | None = None
     connections: int = 0
     requests: list[Request] = field(default_factory=list)
-    eofs: int = 0
 
     @property
     def url(self) -> str:
@@ -97,7 +96,7 @@ class Origin:
         finally:
             writer.close()
 
-    def recording(self, conn: OriginConn, request: Request | None) -> Request | None:
+    def recording(self, request: Request | None) -> Request | None:
         if request is not None:
             self.requests.append(request)
         return request
@@ -107,22 +106,16 @@ def keep_alive_origin(
     answer: Callable[[Request], Awaitable[tuple[int, bytes, tuple[tuple[str, str], ...]]]] | None = None,
 ) -> Origin:
     """An origin that answers every request on a connection (Content-Length framing) until EOF."""
-    origin = Origin(handler=lambda conn: _noop())
 
     async def handler(conn: OriginConn) -> None:
         while True:
-            request = origin.recording(conn, await conn.read_request())
+            request = origin.recording(await conn.read_request())
             if request is None:
-                origin.eofs += 1
                 return
             status, body, headers = (
                 await answer(request) if answer else (200, b"hello " + request.target.encode(), ())
             )
             await conn.respond(body, status=status, headers=headers)
 
-    origin.handler = handler
+    origin = Origin(handler)  # the handler finds it when a connection comes in
     return origin
-
-
-async def _noop() -> None:
-    return None

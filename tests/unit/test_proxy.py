@@ -32,6 +32,14 @@ class Rig:
     def client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, headers=AUTH, timeout=10)
 
+    async def leases_after_release(self) -> int:
+        """Open leases once the proxy has had up to 2 s to notice a disconnect and release."""
+        for _ in range(100):
+            if self.h.coordinator.status()["leases"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        return int(self.h.coordinator.status()["leases"])
+
 
 async def rig(
     tmp_path: Path, origin: Origin, *, proxy: dict[str, object] | None = None, **overrides: object
@@ -162,11 +170,7 @@ async def test_client_gone_mid_stream_aborts_upstream_and_lease(tmp_path: Path) 
             assert resp.headers["x-kv-outcome"] == "cold"
             assert (await anext(resp.aiter_lines())).startswith("data: ")
         await asyncio.wait_for(upstream_closed.wait(), 5)
-        for _ in range(100):
-            if each.h.coordinator.status()["leases"] == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert each.h.coordinator.status()["leases"] == 0
+        assert await each.leases_after_release() == 0
 
 
 async def test_oversized_body_is_refused_before_llama_sees_it(tmp_path: Path) -> None:
@@ -198,11 +202,7 @@ async def test_client_gone_before_llama_answers_aborts_the_prefill(tmp_path: Pat
             await asyncio.sleep(0.1)
             call.cancel()
         await asyncio.wait_for(upstream_closed.wait(), 5)
-        for _ in range(100):
-            if each.h.coordinator.status()["leases"] == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert each.h.coordinator.status()["leases"] == 0
+        assert await each.leases_after_release() == 0
 
 
 async def test_lease_outlives_its_ttl_while_llama_is_busy(tmp_path: Path) -> None:

@@ -120,10 +120,10 @@ async def test_kept_alive_connection_closed_by_the_server_is_retried_once() -> N
 
     async def handler(conn: OriginConn) -> None:
         first = await conn.read_request()
-        origin.recording(conn, first)
+        origin.recording(first)
         if conn.index == 1:
             await conn.respond(b"one")
-            origin.recording(conn, await conn.read_request())
+            origin.recording(await conn.read_request())
             return  # closes without answering the second request
         await conn.respond(b"two")
         await conn.read_request()
