@@ -95,7 +95,10 @@ class Guard:
         if refusal is not None:
             await error_response(refusal)(scope, receive, send)
             return
-        body = await read_body(receive, self.max_bytes)
+        try:
+            body = await read_body(receive, self.max_bytes)
+        except ClientGone:
+            return  # nobody to answer
         if body is None:
             await error_response(PayloadTooLarge(f"request body is over {self.max_bytes} bytes"))(
                 scope, receive, send
@@ -123,12 +126,20 @@ class Guard:
 
 
 def refuse(
-    scope: Scope, headers: dict[bytes, bytes], *, expected: bytes | None, check_host: bool
+    scope: Scope,
+    headers: dict[bytes, bytes],
+    *,
+    expected: bytes | None,
+    check_host: bool,
+    exempt: bool | None = None,
 ) -> KvError | None:
-    """The checks every listener makes before reading a request: loopback Host, bearer token."""
+    """The checks every listener makes before reading a request: loopback Host, bearer token.
+
+    `exempt`: the route needs no token (default: the path is our `/healthz`)."""
     if check_host and not _loopback_host(headers.get(b"host", b"").decode("latin-1")):
         return BadRequest("Host header must name a loopback address", hint="DNS rebinding guard")
-    exempt = scope.get("path") in ("/healthz", "/health")  # liveness probes (ours, llama-server's)
+    if exempt is None:
+        exempt = scope.get("path") == "/healthz"  # liveness probe
     if (
         expected is not None
         and not exempt
@@ -138,13 +149,18 @@ def refuse(
     return None
 
 
+class ClientGone(Exception):
+    """The client left (or was cut by a listener limit) before its request body was complete."""
+
+
 async def read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body, or None when it is over `limit` bytes."""
+    """The whole request body, or None when it is over `limit` bytes. Raises `ClientGone` when the
+    connection ends first: a partial body is never taken for a whole one."""
     body = bytearray()
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            return bytes(body)
+            raise ClientGone("the client left before its request body was complete")
         body += message.get("body", b"")
         if len(body) > limit:
             return None

@@ -83,6 +83,10 @@ class ServerConfig(_Model):
     request_timeout_s: float = Field(default=10.0, gt=0)
     persist_timeout_s: float = Field(default=120.0, gt=0)
     probe_interval_s: float = Field(default=5.0, gt=0)
+    # Prefill a fixed prompt once per server start and fingerprint the bytes of its KV: catches what no
+    # flag shows (LLAMA_ARG_* settings, a model replaced in place, a remote server's command line).
+    # Turn off only for an engine whose KV is not bit-reproducible (some GPU backends).
+    runtime_canary: bool = True
 
     @model_validator(mode="after")
     def _url(self) -> ServerConfig:
@@ -128,9 +132,18 @@ class RetentionConfig(_Model):
 
 
 class _Listener(_Model):
-    """A config section with a `listen: HOST:PORT` address."""
+    """A config section with a `listen: HOST:PORT` address, and the limits every connection to it has."""
 
     listen: str
+    # Open connections at most; at the cap, the oldest one still waiting for a request head is dropped
+    # to make room, and when every one is busy with a request the newcomer is refused.
+    max_connections: int = Field(default=256, ge=1, le=100_000)
+    # A request head must arrive within this (from the connect, or from the end of the previous answer).
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    # A request body must arrive within this once its head is in.
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    # A client that does not take the answer (nothing drained) for this long is cut.
+    client_stall_s: float = Field(default=60.0, gt=0)
 
     @model_validator(mode="after")
     def _listen(self) -> _Listener:
@@ -167,6 +180,7 @@ class ProxyConfig(_Listener):
     session_header: str = "X-Session-Id"
     session_field: str | None = None  # or a body field, e.g. "user" or "prompt_cache_key"
     max_body_bytes: Bytes = 32 * 1024 * 1024
+    body_timeout_s: float = Field(default=120.0, gt=0)  # bodies here run to megabytes
     upstream_timeout_s: float = Field(default=600.0, gt=0)
 
 
@@ -202,6 +216,18 @@ class Config(_Model):
         if self.proxy.enabled and self.proxy.server not in self.servers:
             raise ValueError(
                 f"proxy.server: unknown server {self.proxy.server!r} (known: {sorted(self.servers)})"
+            )
+        if (
+            self.proxy.enabled
+            and self.servers[self.proxy.server].api_key_file is not None
+            and self.api.token_file is None
+        ):
+            # The proxy adds llama-server's key to what it forwards: without a token of our own, any
+            # local process would get llama-server's protection switched off for it.
+            raise ValueError(
+                f"api.token_file: required when the proxy forwards to a server with an api_key_file "
+                f"(servers.{self.proxy.server}.api_key_file); set api.token_file (or KVSIDECAR_TOKEN_FILE) "
+                "so that only clients holding kvsidecar's token get llama-server's key added"
             )
         return self
 

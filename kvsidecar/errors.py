@@ -3,6 +3,7 @@
     KvError                         root: every error we raise carries .code, .message, .hint
     ├── BackendError                the llama-server side (converted from httpx inside the backend only)
     │   ├── BackendUnavailable      KV_BACKEND_UNAVAILABLE   connect refused, DNS, 5xx, bad JSON
+    │   │   └── ConnectionLost      KV_BACKEND_UNAVAILABLE   the server dropped a request it had taken
     │   ├── BackendUnsupported      KV_BACKEND_UNSUPPORTED   /slots disabled, no --slot-save-path
     │   ├── OperationTimeout        KV_OPERATION_TIMEOUT     a persistence call ran past its bound
     │   ├── SlotNotFound            KV_SLOT_NOT_FOUND        slot id not in GET /slots
@@ -20,7 +21,10 @@
     │   ├── InvalidSessionId        KV_INVALID_SESSION_ID
     │   ├── LeaseNotFound           KV_LEASE_NOT_FOUND
     │   ├── Unauthorized            KV_UNAUTHORIZED
-    │   └── PayloadTooLarge         KV_PAYLOAD_TOO_LARGE
+    │   ├── PayloadTooLarge         KV_PAYLOAD_TOO_LARGE
+    │   ├── ProxyForbidden          KV_PROXY_FORBIDDEN       a route the proxy does not forward
+    │   └── RequestTimeout          KV_REQUEST_TIMEOUT       a request head not complete in time
+    ├── TooManyConnections          KV_TOO_MANY_CONNECTIONS  a listener at max_connections, all busy
     ├── SlotBusy                    KV_SLOT_BUSY
     ├── SlotStateInvalid            KV_SLOT_STATE_INVALID
     ├── ConfigError                 KV_CONFIG_INVALID
@@ -59,6 +63,10 @@ class BackendError(KvError):
 class BackendUnavailable(BackendError):
     code = "KV_BACKEND_UNAVAILABLE"
     default_hint = "Is llama-server running and reachable at the configured base_url?"
+
+
+class ConnectionLost(BackendUnavailable):
+    """The server accepted the request and the connection died before the answer (it crashed)."""
 
 
 class BackendUnsupported(BackendError):
@@ -154,6 +162,27 @@ class NotFound(RequestError):
     code = "KV_NOT_FOUND"
 
 
+class ProxyForbidden(RequestError):
+    """A request the proxy refuses to forward: slot management, server settings, or a route llama-server
+    would run on a slot kvsidecar cannot choose."""
+
+    code = "KV_PROXY_FORBIDDEN"
+    default_hint = (
+        "The proxy forwards llama-server's inference routes and read-only information only; slot "
+        "management is kvsidecar's own (docs/API.md, Proxy mode)."
+    )
+
+
+class RequestTimeout(RequestError):
+    code = "KV_REQUEST_TIMEOUT"
+    default_hint = "Send the whole request head within header_timeout_s (api/proxy config)."
+
+
+class TooManyConnections(KvError):
+    code = "KV_TOO_MANY_CONNECTIONS"
+    default_hint = "Every connection is busy with a request (max_connections); retry later."
+
+
 class SlotBusy(KvError):
     code = "KV_SLOT_BUSY"
     default_hint = "All slots are leased; retry after Retry-After seconds."
@@ -190,6 +219,9 @@ HTTP_STATUS: dict[str, int] = {
     Unauthorized.code: 401,
     PayloadTooLarge.code: 413,
     NotFound.code: 404,
+    ProxyForbidden.code: 403,
+    RequestTimeout.code: 408,
+    TooManyConnections.code: 503,
     SlotBusy.code: 503,
     SlotStateInvalid.code: 409,
     ConfigError.code: 500,

@@ -1,11 +1,27 @@
 """Proxy mode: llama-server's own HTTP API on a second listener, with session-pinned KV persistence.
 
-Requests to the inference routes that carry a session id (the `X-Session-Id` header by default, or a body
-field such as `user` / `prompt_cache_key`) go through the coordinator: acquire, inject `id_slot` and
-`cache_prompt: true`, forward, stream the answer back chunk by chunk, release with the engine's own
-`timings.prompt_n` / `timings.cache_n` (so restore verification works with no help from the client).
-Everything else passes through untouched. A client that disconnects aborts the upstream request and the
-lease. Pure ASGI, so nothing is buffered on the way back.
+Only an allowlist of llama-server's routes is forwarded (`ROUTES`), matched on the path as llama-server's
+HTTP library (cpp-httplib) will see it: percent escapes decoded (`%XX` and `%uXXXX`), compared literally
+and case-sensitively, and forwarded under its canonical spelling, so what llama-server routes is exactly
+what was checked. Slot management (`/slots...`), settings (`POST /props`, `POST /lora-adapters`), the
+router's model management, stream replay, tools and anything unknown get 403 `KV_PROXY_FORBIDDEN`:
+kvsidecar is the only client of slot actions.
+
+Every forwarded route that runs on a slot goes through the coordinator, so nothing the proxy forwards
+can change a slot kvsidecar believes it knows:
+
+- with a session id (the `X-Session-Id` header by default, or a body field such as `user` /
+  `prompt_cache_key`): acquire the session, set `id_slot` and `cache_prompt: true`, forward, stream the
+  answer back chunk by chunk, release with the engine's own `timings.prompt_n` / `timings.cache_n`;
+- without one: an auxiliary lease (the reserved aux slot, or a slot whose owner is saved first), with
+  `id_slot` set to it whatever the client asked for.
+
+Routes where llama-server ignores `id_slot` (`/v1/messages`, embeddings, rerank, transcriptions, ...)
+are forwarded only to a llama-server with a single slot, which the lease then holds. Requests for more
+than one completion (`n`, `n_cmpl`) are refused: llama-server would run the others on other slots.
+
+A client that disconnects (or is cut by the listener's limits, `kvsidecar.listener`) aborts the upstream
+request and the lease. Pure ASGI, so nothing is buffered on the way back.
 """
 
 from __future__ import annotations
@@ -16,15 +32,25 @@ import json
 import logging
 import re
 from collections.abc import Awaitable
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
 from starlette.types import Receive, Scope, Send
 
-from kvsidecar.api import error_response, read_body, refuse
+from kvsidecar.api import ClientGone, error_response, read_body, refuse
 from kvsidecar.config import Config
 from kvsidecar.coordinator.core import AcquireResult, Coordinator
-from kvsidecar.errors import BackendUnavailable, BadRequest, KvError, PayloadTooLarge
+from kvsidecar.errors import (
+    BackendUnavailable,
+    BadRequest,
+    ConfigError,
+    KvError,
+    PayloadTooLarge,
+    ProxyForbidden,
+)
+from kvsidecar.listener import Limits, ListenerState
 from kvsidecar.logs import event
 from kvsidecar.store.naming import validate_session_id
 from kvsidecar.upstream import Response, Upstream, UpstreamError
@@ -32,18 +58,66 @@ from kvsidecar.upstream import Response, Upstream, UpstreamError
 log = logging.getLogger("kvsidecar.proxy")
 T = TypeVar("T")
 
-INFERENCE_PATHS = frozenset(
-    {
-        "/completion",
-        "/completions",
-        "/v1/completions",
-        "/chat/completions",
-        "/v1/chat/completions",
-        "/infill",
-        "/v1/responses",
-        "/v1/messages",
-    }
-)
+
+class Route(Enum):
+    INFO = "info"  # runs on no slot: forwarded as it is
+    PINNED = "pinned"  # runs on the slot the JSON body's `id_slot` names
+    UNPINNED = "unpinned"  # runs on a slot llama-server picks itself (it ignores `id_slot`)
+
+
+_READ = frozenset({"GET", "HEAD"})
+_POST = frozenset({"POST"})
+
+# llama-server's routes (tools/server/server.cpp) that the proxy forwards, and how. Everything else is
+# refused: /slots (GET leaks other sessions' prompts; POST saves, restores, erases), POST /props,
+# /lora-adapters, /metrics, /models/load|unload, /v1/stream*, /v1/chat/completions/control, /cors-proxy,
+# /tools, the web UI, and the Vertex AI predict route (which dispatches to any route, /slots included).
+ROUTES: dict[str, tuple[frozenset[str], Route]] = {
+    **dict.fromkeys(("/health", "/v1/health", "/props", "/models", "/v1/models"), (_READ, Route.INFO)),
+    **dict.fromkeys(
+        (
+            "/tokenize",
+            "/detokenize",
+            "/apply-template",
+            "/chat/completions/input_tokens",
+            "/v1/chat/completions/input_tokens",
+            "/responses/input_tokens",
+            "/v1/responses/input_tokens",
+            "/v1/messages/count_tokens",
+        ),
+        (_POST, Route.INFO),
+    ),
+    **dict.fromkeys(
+        (
+            "/completion",
+            "/completions",
+            "/v1/completions",
+            "/chat/completions",
+            "/v1/chat/completions",
+            "/infill",
+            "/responses",
+            "/v1/responses",
+        ),
+        (_POST, Route.PINNED),
+    ),
+    **dict.fromkeys(
+        (
+            "/v1/messages",  # converted to a chat completion without the client's id_slot
+            "/embedding",
+            "/embeddings",
+            "/v1/embeddings",
+            "/rerank",
+            "/reranking",
+            "/v1/rerank",
+            "/v1/reranking",
+            "/audio/transcriptions",  # multipart: every form field is a string, so id_slot never applies
+            "/v1/audio/transcriptions",
+            "/v1/systemone",
+        ),
+        (_POST, Route.UNPINNED),
+    ),
+}
+PUBLIC_PATHS = frozenset({"/health", "/v1/health"})  # llama-server's own liveness probes, no token
 HOP_BY_HOP = frozenset(
     {
         b"connection",
@@ -57,11 +131,37 @@ HOP_BY_HOP = frozenset(
         b"host",
         b"content-length",
         b"expect",
+        # llama-server keeps generating for a request that carries it after its client left (stream
+        # replay): the lease would end while the slot is still busy.
+        b"x-conversation-id",
     }
 )
 RENEW_EVERY_S = 10.0
 _OBJECT_START = re.compile(rb"[ \t\r\n]*\{")  # JSON whitespace, then an object in UTF-8
 _TAIL_BYTES = 256 * 1024
+_ESCAPE = re.compile(rb"%(?:u([0-9A-Fa-f]{4})|([0-9A-Fa-f]{2}))")
+AUX_PURPOSE = "proxy"
+
+
+def llama_path(raw: bytes) -> str:
+    """The request path as cpp-httplib decodes it before routing: `%XX` and `%uXXXX` escapes, once."""
+
+    def decode(m: re.Match[bytes]) -> bytes:
+        if m.group(1) is not None:
+            return chr(int(m.group(1), 16)).encode("utf-8", "surrogatepass")
+        return bytes([int(m.group(2), 16)])
+
+    return _ESCAPE.sub(decode, raw).decode("latin-1")
+
+
+def classify(scope: Scope) -> tuple[str, Route] | None:
+    """(canonical path, route kind) for a request the proxy forwards; None for one it refuses."""
+    raw = scope.get("raw_path") or scope["path"].encode("utf-8")
+    path = llama_path(raw)
+    entry = ROUTES.get(path)
+    if entry is None or scope["method"] not in entry[0]:
+        return None
+    return path, entry[1]
 
 
 class _Tail:
@@ -97,6 +197,26 @@ class _Tail:
         return None
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Call:
+    """One request to a slot-running route, read and checked."""
+
+    path: str
+    route: Route
+    session: str | None
+    data: dict[str, Any] | None  # the body as a JSON object, when it is one (always for PINNED)
+    body: bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Outbound:
+    """What goes to llama-server."""
+
+    path: str
+    body: bytes
+    headers: list[tuple[bytes, bytes]]
+
+
 class Proxy:
     def __init__(
         self,
@@ -114,6 +234,10 @@ class Proxy:
         self.check_host = check_host
         self.llama_auth = None
         if server.api_key_file is not None:
+            if self.expected is None:  # config validation says so too; never run without it
+                raise ConfigError(
+                    f"api.token_file: required with servers.{self.cfg.server}.api_key_file and the proxy on"
+                )
             self.llama_auth = f"Bearer {Path(server.api_key_file).read_text().strip()}".encode()
         self.upstream = Upstream(
             server.base_url,
@@ -123,6 +247,7 @@ class Proxy:
         )
         self.requests = coordinator.metrics.proxy_request
         self.session_header = self.cfg.session_header.lower().encode()
+        self.listener = ListenerState("proxy", Limits.of(self.cfg))
 
     async def aclose(self) -> None:
         await self.upstream.aclose()
@@ -133,98 +258,149 @@ class Proxy:
             return
         if scope["type"] != "http":
             return
+        route = classify(scope)
+        public = route is not None and route[0] in PUBLIC_PATHS
         headers = dict(scope.get("headers", []))
-        refusal = refuse(scope, headers, expected=self.expected, check_host=self.check_host)
+        refusal = refuse(scope, headers, expected=self.expected, check_host=self.check_host, exempt=public)
+        if refusal is None and route is None:
+            shown = scope["path"][:80]
+            refusal = ProxyForbidden(f"the proxy does not forward {scope['method']} {shown!r}")
         if refusal is not None:
             await self._refuse(refusal, scope, receive, send)
             return
-        body = await read_body(receive, self.cfg.max_body_bytes)
+        assert route is not None
+        try:
+            body = await read_body(receive, self.cfg.max_body_bytes)
+        except ClientGone:
+            return
         if body is None:
             too_big = PayloadTooLarge(f"request body is over {self.cfg.max_body_bytes} bytes")
             await self._refuse(too_big, scope, receive, send)
             return
+        path, kind = route
+        if kind is Route.INFO:
+            out = self._outbound(scope, path, body, authenticated=not public, pinned=False)
+            await self._forward(scope, out, receive, send)
+            return
         try:
-            session, data = self._session(scope, headers, body)
+            call = self._read_call(headers, path, kind, body)
         except KvError as exc:
             await self._refuse(exc, scope, receive, send)
             return
-        if session is None or data is None or self.provider is None:
-            await self._forward(scope, body, receive, send)
-            return
-        await self._managed(scope, receive, send, session, data, body)
+        await self._on_slot(scope, receive, send, call)
 
     async def _refuse(self, exc: KvError, scope: Scope, receive: Receive, send: Send) -> None:
         self.requests.labels("refused", exc.code).inc()
         await error_response(exc)(scope, receive, send)
 
-    def _session(
-        self, scope: Scope, headers: dict[bytes, bytes], body: bytes
-    ) -> tuple[str | None, dict[str, Any] | None]:
-        """(session id, parsed body) for a managed request; (None, None) for a pass-through one."""
-        if scope["method"] != "POST" or scope["path"] not in INFERENCE_PATHS:
-            return None, None
+    def _read_call(self, headers: dict[bytes, bytes], path: str, kind: Route, body: bytes) -> _Call:
+        """The session id (header, else body field) and the body of a slot-running request."""
         raw = headers.get(self.session_header)
         session = raw.decode("latin-1") if raw is not None else None
-        if session is None and not self.cfg.session_field:
-            return None, None  # pass-through: the body is not even parsed
-        try:
-            data = json.loads(body) if body else None
-        except ValueError:
-            data = None
-        if session is None and self.cfg.session_field and isinstance(data, dict):
+        wanted = kind is Route.PINNED or session is not None or bool(self.cfg.session_field)
+        data = _json_object(body) if wanted else None  # a session's model label comes from it too
+        if kind is Route.PINNED:
+            if data is None:
+                raise BadRequest(f"{path} needs a JSON object body (the proxy pins it to a slot)")
+            _one_completion(data)
+        if session is None and self.cfg.session_field and data is not None:
             field = data.get(self.cfg.session_field)
             session = field if isinstance(field, str) and field else None
-        if session is None:
-            return None, None
-        if not isinstance(data, dict):
-            raise BadRequest("a managed request needs a JSON object body")
-        return validate_session_id(session), data
+        if session is not None:
+            validate_session_id(session)
+        return _Call(path=path, route=kind, session=session, data=data, body=body)
 
-    async def _managed(
-        self, scope: Scope, receive: Receive, send: Send, session: str, data: dict[str, Any], body: bytes
-    ) -> None:
-        model = data.get("model") if isinstance(data.get("model"), str) and data.get("model") else "default"
-        assert self.provider is not None
+    def _check_unpinned(self, call: _Call) -> None:
+        """A route that ignores id_slot is safe only where llama-server has no other slot to pick."""
+        if call.route is not Route.UNPINNED:
+            return
+        caps = self.coordinator.servers[self.cfg.server].caps
+        if caps is None:
+            raise BackendUnavailable(f"llama-server at {self.upstream.base_url} has not answered a probe yet")
+        if caps.total_slots != 1:
+            raise ProxyForbidden(
+                f"{call.path} runs on a slot llama-server picks itself (it ignores id_slot); with "
+                f"{caps.total_slots} slots it could overwrite a session's slot, so the proxy forwards it "
+                "only to a llama-server with one slot (--parallel 1)"
+            )
+
+    async def _on_slot(self, scope: Scope, receive: Receive, send: Send, call: _Call) -> None:
+        """Acquire (the session, or an auxiliary lease), pin, forward, release."""
+        if self.provider is None or not self.coordinator.config.enabled:  # no slot of it is managed
+            out = self._outbound(scope, call.path, call.body, authenticated=True, pinned=False)
+            await self._forward(scope, out, receive, send)
+            return
+        model = call.data.get("model") if call.data is not None else None
         try:
-            lease = await self.coordinator.acquire(session, provider=self.provider, model=str(model))
+            self._check_unpinned(call)
+            lease = await self.coordinator.acquire(
+                call.session,
+                provider=self.provider,
+                model=model if isinstance(model, str) and model and call.session else "default",
+                purpose=None if call.session is not None else AUX_PURPOSE,
+            )
         except KvError as exc:
             await self._refuse(exc, scope, receive, send)
             return
-        if lease.lease_id is None or lease.slot_id is None:  # bypass / disabled
-            await self._forward(scope, body, receive, send)
+        if lease.lease_id is None or lease.slot_id is None:  # bypass (disabled, shutting down)
+            out = self._outbound(scope, call.path, call.body, authenticated=True, pinned=False)
+            await self._forward(scope, out, receive, send)
             return
         release = _Release(self.coordinator, lease.lease_id)
         status, timings = "aborted", None
         try:
-            pinned = _pin(body, data, lease.slot_id)
+            body, pinned = call.body, call.route is Route.PINNED and call.data is not None
+            if pinned:
+                assert call.data is not None
+                body = _pin(call.body, call.data, lease.slot_id, cache_prompt=call.session is not None)
+            out = self._outbound(scope, call.path, body, authenticated=True, pinned=pinned)
             status, timings = await self._forward(
-                scope, pinned, receive, send, extra=_kv_headers(lease), release=release, slot_id=lease.slot_id
+                scope,
+                out,
+                receive,
+                send,
+                kind="managed" if call.session is not None else "auxiliary",
+                extra=_kv_headers(lease) if call.session is not None else None,
+                release=release,
+                slot_id=lease.slot_id,
             )
         finally:
             await release(status, timings)  # a no-op when the pump already released at the answer's end
 
+    def _outbound(
+        self, scope: Scope, path: str, body: bytes, *, authenticated: bool, pinned: bool
+    ) -> _Outbound:
+        """The request as llama-server gets it: the canonical path; no hop-by-hop headers, session header
+        or our token; llama-server's key only for a client that proved it holds ours."""
+        drop = _hop_by_hop(scope["headers"]) | {self.session_header}
+        if self.expected is not None or self.llama_auth is not None:
+            drop.add(b"authorization")
+        if pinned:  # the body is plain JSON now, whatever the client said it was
+            drop |= {b"content-type", b"content-encoding"}
+        headers = [(k, v) for k, v in scope["headers"] if k not in drop]
+        if pinned:
+            headers.append((b"content-type", b"application/json"))
+        if self.llama_auth is not None and authenticated and self.expected is not None:
+            headers.append((b"authorization", self.llama_auth))
+        target = path
+        if scope.get("query_string"):
+            target += "?" + scope["query_string"].decode("latin-1")
+        return _Outbound(path=target, body=body, headers=headers)
+
     async def _forward(
         self,
         scope: Scope,
-        body: bytes,
+        out: _Outbound,
         receive: Receive,
         send: Send,
         *,
+        kind: str = "passthrough",
         extra: list[tuple[bytes, bytes]] | None = None,
         release: _Release | None = None,
         slot_id: int | None = None,
     ) -> tuple[str, dict[str, Any] | None]:
         """Stream one request to llama-server and its answer back. Returns (release status, timings): ok /
         error (llama-server's answer was an HTTP error, or it failed or never answered) / aborted."""
-        drop = _hop_by_hop(scope["headers"]) | {self.session_header}
-        if self.expected is not None or self.llama_auth is not None:
-            drop.add(b"authorization")
-        headers = [(k, v) for k, v in scope["headers"] if k not in drop]
-        if self.llama_auth is not None:
-            headers.append((b"authorization", self.llama_auth))
-        target = scope["raw_path"].decode("latin-1") if scope.get("raw_path") else scope["path"]
-        if scope.get("query_string"):
-            target += "?" + scope["query_string"].decode("latin-1")
 
         async def busy() -> bool:
             """Asked after `proxy.upstream_timeout_s` of silence: is llama-server still working on it?"""
@@ -234,7 +410,7 @@ class Proxy:
         async def exchange() -> tuple[str, dict[str, Any] | None]:
             try:
                 response = await self.upstream.request(
-                    scope["method"], target, headers, body, still_working=busy
+                    scope["method"], out.path, out.headers, out.body, still_working=busy
                 )
             except UpstreamError as exc:
                 err = BackendUnavailable(f"llama-server at {self.upstream.base_url} did not answer: {exc}")
@@ -263,9 +439,9 @@ class Proxy:
         # nothing: closing the upstream connection then is what stops llama-server's work on it.
         outcome = await _race_disconnect(exchange(), receive)
         result, timings = outcome if outcome is not None else ("aborted", None)
-        self.requests.labels("passthrough" if release is None else "managed", result).inc()
+        self.requests.labels(kind, result).inc()
         if outcome is None:
-            event(log, logging.INFO, "kv.proxy.client_disconnected", path=scope["path"])
+            event(log, logging.INFO, "kv.proxy.client_disconnected", path=out.path.partition("?")[0])
         return ("error" if result == "unavailable" else result), timings
 
     async def _pump(self, response: Response, send: Send, tail: _Tail, release: _Release | None) -> bool:
@@ -330,17 +506,41 @@ def _hop_by_hop(headers: list[tuple[bytes, bytes]] | Any) -> set[bytes]:
     return names
 
 
-def _pin(body: bytes, data: dict[str, Any], slot_id: int) -> bytes:
-    """The request body with `id_slot` and `cache_prompt: true` set.
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    try:
+        data = json.loads(body) if body else None
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _one_completion(data: dict[str, Any]) -> None:
+    """llama-server runs the extra completions of `n` / `n_cmpl` > 1 on other free slots."""
+    for key in ("n", "n_cmpl"):
+        value = data.get(key)
+        if value is not None and (type(value) is not int or value != 1):
+            raise BadRequest(
+                f"{key}: the proxy runs one completion per request (llama-server would run the others "
+                "on other slots)"
+            )
+
+
+def _pin(body: bytes, data: dict[str, Any], slot_id: int, *, cache_prompt: bool = True) -> bytes:
+    """The request body with `id_slot` (and, for a session, `cache_prompt: true`) set, whatever the client
+    sent.
 
     Agent prompts run to hundreds of kilobytes and re-encoding them costs milliseconds, so when the object
-    has neither key the two members are spliced in before its closing brace; otherwise it is re-encoded.
+    has none of those keys the members are spliced in before its closing brace. Otherwise it is
+    re-encoded from the parsed object, which keeps one copy of each key whatever spelling (escaped,
+    repeated) the client used.
     """
     text = body.rstrip()
-    untouched = data and "id_slot" not in data and "cache_prompt" not in data
+    untouched = data and "id_slot" not in data and not (cache_prompt and "cache_prompt" in data)
     if untouched and _OBJECT_START.match(text) and text.endswith(b"}"):
-        return text[:-1] + b',"id_slot":%d,"cache_prompt":true}' % slot_id
-    return json.dumps({**data, "id_slot": slot_id, "cache_prompt": True}).encode()
+        members = b',"id_slot":%d' % slot_id + (b',"cache_prompt":true' if cache_prompt else b"")
+        return text[:-1] + members + b"}"
+    pins: dict[str, Any] = {"id_slot": slot_id, **({"cache_prompt": True} if cache_prompt else {})}
+    return json.dumps({**data, **pins}).encode()
 
 
 def _kv_headers(lease: AcquireResult) -> list[tuple[bytes, bytes]]:

@@ -17,10 +17,8 @@ manifests) and reports; `delete=False` in the config, or a dry run, only reports
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -33,9 +31,8 @@ from kvsidecar.config import RetentionConfig
 from kvsidecar.errors import KvError
 from kvsidecar.logs import event
 from kvsidecar.metrics import Metrics
-from kvsidecar.store.atomic import TEMP_MARK
-from kvsidecar.store.naming import SNAPSHOT_FILE
-from kvsidecar.store.snapshots import SnapshotStore
+from kvsidecar.store.naming import Generation
+from kvsidecar.store.snapshots import LooseFile, SnapshotStore
 
 log = logging.getLogger("kvsidecar.retention")
 
@@ -237,14 +234,12 @@ class RetentionJob:
 
     def inventory(self) -> tuple[list[FileInfo], dict[str, Disk]]:
         protected = self.protected_keys()
-        inflight = {name for _, name in self.store.inflight()}
+        inflight = self.store.inflight()
         files: list[FileInfo] = []
-        referenced: set[tuple[str, str]] = set()
         for m in self.store.all():
             if m.server not in self.store.snapshot_dirs:
                 continue
             for gen, rec in m.generations.items():
-                referenced.add((m.server, rec.filename))
                 kind: Kind = "invalid" if not rec.valid else "current" if gen == m.current else "previous"
                 files.append(
                     FileInfo(
@@ -255,12 +250,15 @@ class RetentionJob:
                         last_used_at=m.last_used_at,
                         key=m.key,
                         generation=gen,
-                        protected=m.key in protected or rec.filename in inflight,
+                        protected=m.key in protected or (m.server, rec.filename) in inflight,
                     )
                 )
-        for server, directory in self.store.snapshot_dirs.items():
-            files += _loose_files(server, directory, referenced, inflight)
-        files += _loose_files("state", self.store.manifests_dir, set(), set(), temp_only=True)
+        # Orphans and temp files: the store's one rule (names of ours, unreferenced, not being written,
+        # not held by a refused manifest). For temp files `server` is the state area they are in.
+        files += [
+            FileInfo(name=f.name, server=f.area, bytes=f.bytes, kind=f.kind, last_used_at=f.mtime)
+            for f in self.store.loose_files()
+        ]
         disks = {s: self.disk_usage(d) for s, d in self.store.snapshot_dirs.items()}
         return files, disks
 
@@ -323,12 +321,22 @@ class RetentionJob:
         f = d.file
         try:
             if f.key is not None and f.generation in ("a", "b"):
+                gen: Generation = "a" if f.generation == "a" else "b"
                 manifest = self.store.get(f.key)
-                if manifest is None or manifest.generation(f.generation) is None:  # type: ignore[arg-type]
+                if manifest is None or manifest.generation(gen) is None:
                     return False
-                self.store.delete_generation(f.key, f.generation)  # type: ignore[arg-type]
+                self.store.delete_generation(f.key, gen)
                 return True
-            return _unlink_loose(self.store, f)
+            if f.kind not in ("orphan", "temp"):
+                return False
+            loose = LooseFile(
+                area=f.server,
+                name=f.name,
+                bytes=f.bytes,
+                mtime=f.last_used_at,
+                kind="orphan" if f.kind == "orphan" else "temp",
+            )
+            return self.store.delete_loose(loose)
         except KvError as exc:
             event(
                 log,
@@ -351,54 +359,6 @@ def _describe(d: Deletion) -> dict[str, Any]:
         "generation": d.file.generation,
         "snapshot": d.file.key[:8] if d.file.key else None,
     }
-
-
-def _loose_files(
-    server: str,
-    directory: Path,
-    referenced: set[tuple[str, str]],
-    inflight: set[str],
-    *,
-    temp_only: bool = False,
-) -> list[FileInfo]:
-    """Our files that no manifest references: orphan snapshots (by name) and our own temp files."""
-    out = []
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir(directory):
-            is_temp = entry.name.startswith(".") and TEMP_MARK in entry.name
-            is_orphan = (
-                not temp_only and SNAPSHOT_FILE.match(entry.name) and (server, entry.name) not in referenced
-            )
-            if not (is_temp or is_orphan) or entry.name in inflight:
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                st = entry.stat(follow_symlinks=False)
-                out.append(
-                    FileInfo(
-                        name=entry.name,
-                        server=server,
-                        bytes=st.st_size,
-                        kind="temp" if is_temp else "orphan",
-                        last_used_at=st.st_mtime,
-                    )
-                )
-    return out
-
-
-def _unlink_loose(store: SnapshotStore, f: FileInfo) -> bool:
-    directory = store.manifests_dir if f.server == "state" else store.snapshot_dirs[f.server]
-    if f.kind == "orphan":  # recheck at the last moment: a save may have adopted it since the listing
-        m = SNAPSHOT_FILE.match(f.name)
-        manifest = store.get(m.group("key")) if m else None
-        if manifest is not None and any(r.filename == f.name for r in manifest.generations.values()):
-            return False
-        if f.name in {name for _, name in store.inflight()}:
-            return False
-    try:
-        (directory / f.name).unlink()
-        return True
-    except FileNotFoundError:
-        return False
 
 
 def _psutil_disk(path: Path) -> Disk:

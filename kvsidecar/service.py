@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import signal
 import socket
 from collections.abc import AsyncIterator
@@ -28,6 +29,7 @@ from kvsidecar.config import Config, load_config
 from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.coordinator.server import ProcessFinder
 from kvsidecar.errors import ConfigError
+from kvsidecar.listener import Limits, ListenerState, protocol_for
 from kvsidecar.logs import event
 from kvsidecar.metrics import Metrics
 from kvsidecar.proxy import Proxy
@@ -91,6 +93,7 @@ class Daemon:
         self.watch = watch
         self.watcher: SnapshotWatcher | None = None
         self.token = read_token(config)
+        self.listener: ListenerState | None = None  # the API listener's connection state, once serving
 
     async def start(self) -> None:
         report = await asyncio.to_thread(self.store.open)
@@ -232,16 +235,49 @@ def listen_sockets(config: Config) -> list[socket.socket]:
     return socks
 
 
-def _uvicorn(app: Any, *, lifespan: Literal["on", "off"]) -> uvicorn.Server:
+def _uvicorn(app: Any, *, lifespan: Literal["on", "off"], listener: ListenerState) -> uvicorn.Server:
     return uvicorn.Server(
-        uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=5, lifespan=lifespan)
+        uvicorn.Config(
+            app,
+            http=protocol_for(listener),
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            lifespan=lifespan,
+        )
     )
+
+
+# Descriptors kept free for everything that is not a client connection: snapshot files, the state
+# directory, the watcher, connections to llama-server made by the backend, logging.
+FD_RESERVE = 128
+
+
+def ensure_fd_budget(config: Config) -> int:
+    """Raise the soft RLIMIT_NOFILE as far as the hard limit allows, and refuse to start when the
+    listeners' connection caps could still exhaust it (a full table fails every accept, /healthz too)."""
+    need = config.api.max_connections + FD_RESERVE
+    if config.proxy.enabled:
+        need += 2 * config.proxy.max_connections  # each proxied request also holds an upstream connection
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(max(need, 65536), hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and soft < need:
+        raise ConfigError(
+            f"api.max_connections: the listeners may hold {need} file descriptors but the limit is {soft}",
+            hint="Raise LimitNOFILE (the unit sets 65536) or lower api/proxy.max_connections.",
+        )
+    return int(soft)
 
 
 def build_server(config: Config, **daemon_kwargs: Any) -> tuple[uvicorn.Server, list[socket.socket], Daemon]:
     daemon = Daemon(config, **daemon_kwargs)
     socks = listen_sockets(config)
-    return _uvicorn(daemon.app(), lifespan="on"), socks, daemon
+    daemon.listener = ListenerState("api", Limits.of(config.api))
+    return _uvicorn(daemon.app(), lifespan="on", listener=daemon.listener), socks, daemon
 
 
 def build_proxy(config: Config, daemon: Daemon) -> tuple[uvicorn.Server, list[socket.socket], Proxy] | None:
@@ -250,7 +286,8 @@ def build_proxy(config: Config, daemon: Daemon) -> tuple[uvicorn.Server, list[so
     _check_bind(config, "proxy.listen", config.proxy.host)
     sock = _tcp_socket("proxy.listen", config.proxy.host, config.proxy.port)
     proxy = Proxy(daemon.coordinator, config, token=daemon.token, check_host=is_loopback(config.proxy.host))
-    return _uvicorn(proxy, lifespan="off"), [sock], proxy
+    server = _uvicorn(proxy, lifespan="off", listener=proxy.listener)
+    return server, [sock], proxy
 
 
 async def serve(config: Config, **daemon_kwargs: Any) -> None:
@@ -258,6 +295,7 @@ async def serve(config: Config, **daemon_kwargs: Any) -> None:
 
     With proxy mode on, a second listener runs beside the API; when either stops, both do.
     """
+    fds = ensure_fd_budget(config)
     server, socks, daemon = build_server(config, **daemon_kwargs)
     proxy = build_proxy(config, daemon)
     event(
@@ -267,6 +305,7 @@ async def serve(config: Config, **daemon_kwargs: Any) -> None:
         listen=config.api.listen,
         unix_socket=config.api.unix_socket,
         proxy=config.proxy.listen if proxy else None,
+        fd_limit=fds,
     )
     tasks = [asyncio.ensure_future(server.serve(sockets=socks))]
     if proxy is not None:

@@ -19,6 +19,9 @@ class BackendCapabilities:
     n_ctx: int | None
     model_path: str | None
     build_info: str | None
+    # A value the server makes anew at each process start (llama-server: /props `media_marker`), so a
+    # client that cannot see the process can still tell one start from the next. None when not exposed.
+    instance_id: str | None = None
     props: dict[str, Any] = field(default_factory=dict)
 
 
@@ -71,5 +74,13 @@ class KvBackend(Protocol):
     async def restore_slot(self, slot_id: int, filename: str) -> RestoreResult: ...
 
     async def erase_slot(self, slot_id: int) -> EraseResult: ...
+
+    async def instance_id(self) -> str | None:
+        """The per-process nonce the server reports now (see BackendCapabilities.instance_id)."""
+        ...
+
+    async def prefill(self, slot_id: int, prompt: str) -> int:
+        """Compute `prompt` into the slot's KV cache without generating; returns the tokens cached."""
+        ...
 
     async def aclose(self) -> None: ...

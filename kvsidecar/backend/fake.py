@@ -10,10 +10,13 @@ Like the real server, restoring a truncated file "crashes" it: the fake becomes 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import xxhash
 
 from kvsidecar.backend.base import (
     BackendCapabilities,
@@ -74,6 +77,9 @@ class FakeKvBackend:
         self.model_path = model_path
         self.build_info = build_info
         self.bytes_per_token = bytes_per_token
+        # What the "weights" and settings are: the KV a prompt computes to depends on it (see prefill).
+        self.kv_salt = f"{model_path}|{build_info}"
+        self.nonce: str | None = secrets.token_hex(8)  # changes at every restart, like media_marker
         self.knobs = _Knobs()
         self.calls: list[tuple[str, int, str | None]] = []
         self.crashed = False
@@ -113,11 +119,16 @@ class FakeKvBackend:
         path = self.snapshot_dir / filename
         path.write_bytes(path.read_bytes()[: max(1, path.stat().st_size // 2)])
 
-    def restart(self) -> None:
-        """A server restart: every slot comes back empty."""
+    def restart(self, *, model_path: str | None = None, kv_salt: str | None = None) -> None:
+        """A server restart: every slot comes back empty; optionally another model or KV-shaping setting."""
         self.slots = [_Slot() for _ in self.slots]
         self.crashed = False
         self.knobs.unavailable = False
+        self.nonce = secrets.token_hex(8) if self.nonce is not None else None
+        if model_path is not None:
+            self.model_path = model_path
+        if model_path is not None or kv_salt is not None:
+            self.kv_salt = kv_salt if kv_salt is not None else f"{self.model_path}|{self.build_info}"
 
     # the engine ----------------------------------------------------------------------------------------
     def _enter(self, slot_id: int, op: str) -> None:
@@ -173,6 +184,7 @@ class FakeKvBackend:
             n_ctx=self.n_ctx,
             model_path=self.model_path,
             build_info=self.build_info,
+            instance_id=self.nonce,
             props={
                 "model_path": self.model_path,
                 "build_info": self.build_info,
@@ -277,6 +289,25 @@ class FakeKvBackend:
         n = len(slot.tokens)
         slot.tokens = []
         return EraseResult(slot_id=slot_id, tokens=n, measured_ms=0.01)
+
+    async def instance_id(self) -> str | None:
+        self._gate()
+        await self._maybe_hang()
+        return self.nonce
+
+    async def prefill(self, slot_id: int, prompt: str) -> int:
+        """The KV of a text under this "model": tokens derived from the text and the model's salt."""
+        self._enter(slot_id, "prefill")
+        try:
+            self._gate()
+            self.calls.append(("prefill", slot_id, None))
+            words = prompt.split()
+            self._slot(slot_id).tokens = [
+                xxhash.xxh32_intdigest(f"{self.kv_salt}|{i}|{w}".encode()) for i, w in enumerate(words)
+            ]
+            return len(words)
+        finally:
+            self._leave(slot_id)
 
     async def aclose(self) -> None:
         return None

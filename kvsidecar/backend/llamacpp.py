@@ -25,6 +25,7 @@ from kvsidecar.errors import (
     BackendError,
     BackendUnavailable,
     BackendUnsupported,
+    ConnectionLost,
     EraseFailed,
     OperationTimeout,
     RestoreFailed,
@@ -123,10 +124,13 @@ class LlamaCppBackend:
             raise OperationTimeout(
                 f"{what}: llama-server did not answer in time ({type(exc).__name__})"
             ) from exc
-        except httpx.HTTPError as exc:
+        except httpx.ConnectError as exc:
             raise BackendUnavailable(
                 f"{what}: cannot reach llama-server at {self.base_url} ({exc!s})"
             ) from exc
+        except httpx.HTTPError as exc:
+            # The request reached the server and the connection died under it: a crash, most likely.
+            raise ConnectionLost(f"{what}: llama-server dropped the connection ({exc!s})") from exc
         if response.status_code == 501:
             raise BackendUnsupported(f"{what}: {_error_message(response)}")
         if response.status_code >= 500 and failure is BackendUnavailable:
@@ -160,6 +164,7 @@ class LlamaCppBackend:
         n_ctx = _int(settings.get("n_ctx")) if isinstance(settings, dict) else None
         model_path = props.get("model_path")
         build_info = props.get("build_info")
+        marker = props.get("media_marker")
         return BackendCapabilities(
             kind=self.kind,
             alive=True,
@@ -168,8 +173,37 @@ class LlamaCppBackend:
             n_ctx=n_ctx if n_ctx is not None else (slots[0].n_ctx if slots else None),
             model_path=model_path if isinstance(model_path, str) else None,
             build_info=build_info if isinstance(build_info, str) else None,
+            instance_id=marker if isinstance(marker, str) and marker else None,
             props=props,
         )
+
+    async def instance_id(self) -> str | None:
+        props = await self._request("GET", "/props", what="identity /props")
+        marker = props.get("media_marker") if isinstance(props, dict) else None
+        return marker if isinstance(marker, str) and marker else None
+
+    async def prefill(self, slot_id: int, prompt: str) -> int:
+        """One prompt pass on a pinned slot with nothing generated (the runtime canary)."""
+        await self._check_slot(slot_id)
+        body = {
+            "prompt": prompt,
+            "id_slot": slot_id,
+            "n_predict": 0,
+            "cache_prompt": True,
+            "temperature": 0.0,
+            "stream": False,
+        }
+        data = await self._request(
+            "POST",
+            "/completion",
+            json_body=body,
+            what=f"prefill slot {slot_id}",
+            timeout=self._persist_timeout,
+        )
+        timings = data.get("timings") if isinstance(data, dict) else None
+        if not isinstance(timings, dict):
+            return 0
+        return (_int(timings.get("prompt_n"), 0) or 0) + (_int(timings.get("cache_n"), 0) or 0)
 
     async def inspect_slots(self) -> list[BackendSlot]:
         data = await self._request("GET", "/slots", what="inspect /slots")

@@ -57,6 +57,12 @@ class CircuitBreaker:
             self.trial_in_flight = True
         return True
 
+    def end_trial(self) -> None:
+        """Whatever happened, the call that `allow()` let through is over: a trial that ended with no
+        verdict (a snapshot error, a restart seen by the bracket, a cancellation) must not keep the
+        breaker half-open forever. Harmless after success() or failure()."""
+        self.trial_in_flight = False
+
     def success(self) -> bool:
         """Record a success; True when this closed an open breaker (a recovery worth logging)."""
         recovered = self.opened_at is not None

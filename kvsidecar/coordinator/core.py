@@ -29,23 +29,26 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from kvsidecar.backend.base import KvBackend
 from kvsidecar.config import Config
 from kvsidecar.coordinator.breaker import BreakerState, CircuitBreaker
-from kvsidecar.coordinator.server import ProcessFinder, ServerRuntime
+from kvsidecar.coordinator.canary import measure_canary, sweep_canary_files
+from kvsidecar.coordinator.server import ProcessFinder, RefreshResult, ServerRuntime
 from kvsidecar.coordinator.state import Lease, Outcome, SessionRuntime, SessionState, Slot
 from kvsidecar.errors import (
     BackendError,
     BackendUnavailable,
+    ConnectionLost,
     KvError,
     LeaseNotFound,
     NotFound,
     OperationTimeout,
     RestoreFailed,
+    SaveFailed,
     SlotBusy,
 )
 from kvsidecar.logs import event
 from kvsidecar.metrics import Metrics
-from kvsidecar.store.fingerprint import FileDigestCache
+from kvsidecar.store.fingerprint import FileDigestCache, ProcessInfo, RuntimeFingerprint
 from kvsidecar.store.naming import SnapshotIdentity, short_id, validate_label, validate_session_id
-from kvsidecar.store.snapshots import RESTORE_FAILED, Candidate, Rejection, SnapshotStore
+from kvsidecar.store.snapshots import Candidate, Rejection, SnapshotStore
 
 log = logging.getLogger("kvsidecar.coordinator")
 T = TypeVar("T")
@@ -100,6 +103,7 @@ class Coordinator:
         backends: dict[str, KvBackend],
         metrics: Metrics | None = None,
         process_finder: ProcessFinder | None = None,
+        process_check: Callable[[ProcessInfo], bool] | None = None,
         digests: FileDigestCache | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
@@ -123,6 +127,7 @@ class Coordinator:
                     clock=monotonic,
                 ),
                 process_finder=process_finder,
+                process_check=process_check,
                 digests=digests,
             )
             for name, cfg in config.servers.items()
@@ -145,6 +150,7 @@ class Coordinator:
         self.scheduler.start()
         self._started = True
         for srv in self.servers.values():
+            await asyncio.to_thread(sweep_canary_files, srv.config.snapshot_dir)
             await self._refresh(srv)
             self._spawn(self._probe_loop(srv))
 
@@ -184,16 +190,79 @@ class Coordinator:
         while True:
             await asyncio.sleep(srv.config.probe_interval_s)
             await self._refresh(srv)
+            self._forget_idle_sessions()
 
-    async def _refresh(self, srv: ServerRuntime) -> None:
-        result = await srv.refresh()
-        if result.restarted:
-            self._forget_residency(srv, result.reason or "restart")
+    async def _refresh(
+        self, srv: ServerRuntime, *, slot: Slot | None = None, force: bool = False
+    ) -> RefreshResult:
+        """Re-probe (and, when needed, re-fingerprint) a server; one refresh per server at a time.
+
+        `slot`: a slot the caller holds and whose content is forfeit, on which the canary may run.
+        """
+        async with srv.refresh_lock:
+            result = await srv.refresh(force=force)
+            if result.restarted:
+                self._forget_residency(srv, result.reason or "restart")
+            if srv.needs_canary:
+                await self._canary(srv, slot)
         if not result.available and srv.caps is None:
             event(log, logging.WARNING, "kv.backend.unavailable", server=srv.name, error=srv.last_error)
+        return result
+
+    async def _canary(self, srv: ServerRuntime, slot: Slot | None) -> None:
+        """Measure the runtime canary on the server's reference slot: on `slot` when it is that slot and
+        its content is forfeit, else on it when it is free and no session owns it; else leave it pending
+        (the probe loop and the next acquire try again; until then nothing is restored or saved).
+
+        Always the same slot: llama-server's state file differs with the slot it was saved from."""
+        ref = srv.slots.get(srv.canary_slot_id)
+        if ref is None:
+            return
+        own = ref is not slot
+        if own and (not ref.free or ref.owner is not None or ref.claimed_by is not None or srv.waiters):
+            return
+        if not own and ref.owner is not None:
+            return
+        if own:
+            ref.holder = "canary"
+        epoch = srv.epoch
+        try:
+            digest = await self._persist(srv, measure_canary(srv.backend, ref.id, srv.config.snapshot_dir))
+            if srv.epoch == epoch and await srv.same_instance() is not False:
+                srv.set_canary(digest)
+                event(log, logging.INFO, "kv.backend.canary", server=srv.name, digest=digest[:12])
+        except KvError as exc:
+            srv.canary_failures += 1
+            event(
+                log,
+                logging.WARNING,
+                "kv.backend.canary.failed",
+                server=srv.name,
+                code=exc.code,
+                error=exc.message,
+            )
+        finally:
+            ref.tokens = 0
+            if own:
+                await self._give_back(srv, ref)
+
+    async def _same_runtime(self, srv: ServerRuntime, slot: Slot | None = None) -> bool:
+        """The bracket of every restore and save commit: is the server provably the instance its
+        fingerprint was made for? When it is not, or cannot be told, re-probe and re-fingerprint first
+        (on `slot`, when the caller holds one whose content is forfeit)."""
+        if srv.available and srv.fingerprint is not None:
+            same = await srv.same_instance()
+            if same is True:
+                return True
+            forfeit = slot is not None and slot.owner is None
+            await self._refresh(srv, slot=slot, force=same is None and forfeit)
+        else:
+            await self._refresh(srv, slot=slot)
+        return srv.available and srv.fingerprint is not None
 
     def _forget_residency(self, srv: ServerRuntime, reason: str) -> None:
         """The server lost (or may have lost) every slot's content: believe nothing is resident."""
+        srv.epoch += 1
         self.stats.server_restarts += 1
         self.metrics.server_restarts.labels(srv.name).inc()
         event(log, logging.WARNING, "kv.backend.restarted", server=srv.name, reason=reason)
@@ -202,6 +271,26 @@ class Coordinator:
                 rt.saved_revision = rt.dirty_revision  # unsaved progress is gone with the server
                 rt.state = self._resting_state(rt)
             slot.owner, slot.holds_aux, slot.tokens = None, False, None
+
+    def _forget_idle_sessions(self) -> None:
+        """Drop sessions that hold nothing: no snapshot, no slot, no lease, no operation (item D14)."""
+        held = self.protected_keys() | {s.claimed_by for v in self.servers.values() for s in v.slots.values()}
+        for key, rt in list(self._sessions.items()):
+            if key in held or rt.dirty or self.store.get(key) is not None:
+                continue
+            self._drop_runtime(rt)
+
+    def _drop_runtime(self, rt: SessionRuntime) -> None:
+        if rt.key in self._idle_armed:
+            with contextlib.suppress(Exception):
+                self.scheduler.remove_job(f"idle:{rt.key}")
+            self._idle_armed.discard(rt.key)
+        self._sessions.pop(rt.key, None)
+        keys = self._by_session.get(rt.identity.session_id)
+        if keys is not None:
+            keys.discard(rt.key)
+            if not keys:
+                del self._by_session[rt.identity.session_id]
 
     # sessions ----------------------------------------------------------------------------------------
     def route(self, provider: str) -> ServerRuntime | None:
@@ -366,7 +455,10 @@ class Coordinator:
 
     async def _prepare_slot(self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime) -> AcquireResult:
         rt.last_used_at = self.clock()
-        # Invariant 6: a resident session costs no disk I/O and no management call.
+        # Invariant 6: a resident session costs no disk I/O and no management call. A local server's
+        # process is checked (a /proc read, no HTTP): after a restart the slot is empty, not resident.
+        if slot.owner == rt.key and srv.process is not None and not srv.process_check(srv.process):
+            await self._refresh(srv)
         if slot.owner == rt.key:
             self.stats.resident += 1
             return AcquireResult(outcome=Outcome.RESIDENT)
@@ -418,7 +510,16 @@ class Coordinator:
         self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, result: AcquireResult
     ) -> None:
         """Restore the session's snapshot into the slot, or erase the slot for a cold start (spec §23)."""
-        persist_ok = srv.available and srv.fingerprint is not None and srv.breaker.allow()
+        try:
+            await self._restore_or_cold(srv, slot, rt, result)
+        finally:
+            srv.breaker.end_trial()
+
+    async def _restore_or_cold(
+        self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, result: AcquireResult
+    ) -> None:
+        persist_ok = await self._same_runtime(srv, slot) and srv.breaker.allow()
+        fingerprint = srv.fingerprint  # the one proven for this instance just now
         if not persist_ok:
             # Invariant 5: persistence failure defaults to cold inference.
             result.outcome = Outcome.COLD_FALLBACK
@@ -429,22 +530,34 @@ class Coordinator:
                 raise BackendUnavailable(
                     f"persistence for server {srv.name} is unavailable ({result.reason})"
                 )
-        elif self.config.restore.enabled:
-            candidate, rejections = await self._find(srv, rt)
-            if candidate is not None and await self._restore(srv, slot, rt, candidate, rejections, result):
+        elif self.config.restore.enabled and fingerprint is not None:
+            candidate, rejections = await self._find(srv, rt, fingerprint)
+            first = rejections[0].reason if rejections else None
+            if candidate is not None and await self._restore(
+                srv, slot, rt, candidate, fingerprint, result, first
+            ):
                 return
             if candidate is None:
                 self.metrics.restore_miss.labels(srv.name).inc()
             if rejections and result.outcome is Outcome.COLD:
                 result.outcome, result.reason = Outcome.COLD_FALLBACK, rejections[0].reason
                 rt.state = SessionState.INVALID
-        await self._cold(srv, slot, rt, result, erase=persist_ok)
+        reachable = srv.available and srv.breaker.state is not BreakerState.OPEN
+        await self._cold(srv, slot, rt, result, erase=persist_ok or reachable)
 
-    async def _find(self, srv: ServerRuntime, rt: SessionRuntime) -> tuple[Candidate | None, list[Rejection]]:
-        assert srv.fingerprint is not None
-        candidate, rejections = await asyncio.to_thread(
-            self.store.find_restorable, rt.identity, srv.fingerprint, max_tokens=srv.slot_n_ctx
-        )
+    async def _find(
+        self, srv: ServerRuntime, rt: SessionRuntime, fingerprint: RuntimeFingerprint
+    ) -> tuple[Candidate | None, list[Rejection]]:
+        try:
+            candidate, rejections = await asyncio.to_thread(
+                self.store.find_restorable, rt.identity, fingerprint, max_tokens=srv.slot_n_ctx
+            )
+        except KvError as exc:  # the manifest could not be read: this session is cold, nothing else fails
+            event(log, logging.WARNING, "kv.snapshot.unreadable", session=rt.identity.short, code=exc.code)
+            return None, []
+        if candidate is not None and (candidate.generation, fingerprint.digest) in rt.refused:
+            # This runtime already refused exactly this file: do not hand it over again.
+            return None, []
         for rej in rejections:
             self.metrics.invalidated.labels(rej.reason).inc()
             event(
@@ -464,8 +577,9 @@ class Coordinator:
         slot: Slot,
         rt: SessionRuntime,
         candidate: Candidate,
-        rejections: list[Rejection],
+        fingerprint: RuntimeFingerprint,
         result: AcquireResult,
+        fallback_reason: str | None,
     ) -> bool:
         self.metrics.restore.labels(srv.name).inc()
         self.stats.restores += 1
@@ -480,6 +594,7 @@ class Coordinator:
             tokens=candidate.record.tokens,
             bytes=candidate.record.bytes,
         )
+        epoch = srv.epoch
         try:
             restored = await self._persist(srv, srv.backend.restore_slot(slot.id, candidate.record.filename))
             if restored.tokens != candidate.record.tokens:
@@ -487,12 +602,18 @@ class Coordinator:
                     f"server restored {restored.tokens} tokens, the snapshot has {candidate.record.tokens}"
                 )
         except KvError as exc:
-            self._restore_failed(srv, rt, candidate.identity.key, candidate.generation, exc, result)
+            await self._restore_failed(srv, slot, rt, candidate, exc, result)
+            return False
+        # The closing bracket: a restart during the restore means the KV went into an unknown runtime.
+        if not await self._same_runtime(srv) or srv.epoch != epoch or srv.fingerprint != fingerprint:
+            result.outcome, result.reason = Outcome.COLD_FALLBACK, "server restarted during restore"
+            rt.state = self._resting_state(rt)
+            event(log, logging.WARNING, "kv.session.restore.voided", session=rt.identity.short)
             return False
         self._restore_ok(srv, slot, rt, restored.tokens, restored.bytes_read, restored.measured_ms, result)
         result.restore_server_ms = restored.server_ms
         if candidate.fallback:
-            result.reason = f"previous generation ({rejections[0].reason if rejections else 'fallback'})"
+            result.reason = f"previous generation ({fallback_reason or 'fallback'})"
         return True
 
     def _restore_ok(
@@ -517,16 +638,26 @@ class Coordinator:
         self.metrics.restore_ms.labels(srv.name).observe(ms)
         self.store.touch(rt.key, persist=False)
 
-    def _restore_failed(
-        self, srv: ServerRuntime, rt: SessionRuntime, key: str, gen: Any, exc: KvError, result: AcquireResult
+    async def _restore_failed(
+        self,
+        srv: ServerRuntime,
+        slot: Slot,
+        rt: SessionRuntime,
+        candidate: Candidate,
+        exc: KvError,
+        result: AcquireResult,
     ) -> None:
-        """Spec §32: mark the snapshot invalid (nothing is deleted), fall back to cold."""
+        """Fall back to cold. Only evidence about the file may invalidate it (checked before the restore:
+        size, header, checksum), so a failure the server causes never marks the snapshot invalid:
+        - refused (HTTP 400, a token count that differs): this runtime cannot take this file; it is not
+          offered to this fingerprint again, and the runtime is re-fingerprinted (what did we miss?);
+        - the server died under the restore: not offered again by this daemon (no crash loop), kept on disk;
+        - unreachable, unsupported, timeout: nothing is known about the file; it stays as it was."""
         self._breaker_failure(srv, exc)
         self.stats.restore_failures += 1
         self.metrics.restore_failure.labels(srv.name, exc.code).inc()
-        with contextlib.suppress(KvError):
-            self.store.mark_invalid(key, gen, RESTORE_FAILED)
-        self.metrics.invalidated.labels(RESTORE_FAILED).inc()
+        if srv.fingerprint is not None and (isinstance(exc, RestoreFailed | ConnectionLost)):
+            rt.refused.add((candidate.generation, srv.fingerprint.digest))
         event(
             log,
             logging.WARNING,
@@ -536,7 +667,10 @@ class Coordinator:
             error=exc.message,
         )
         result.outcome, result.reason = Outcome.COLD_FALLBACK, exc.code
-        rt.state, rt.last_error = SessionState.INVALID, exc.code
+        rt.state, rt.last_error = self._resting_state(rt), exc.code
+        if isinstance(exc, RestoreFailed):  # when in doubt, re-fingerprint (unless the instance is proven)
+            slot.owner = None
+            await self._same_runtime(srv, slot)
         if self.config.failure.strict:
             raise exc
 
@@ -608,8 +742,11 @@ class Coordinator:
             self.stats.save_failures += 1
             self.metrics.save_failure.labels(srv.name, "KV_BACKEND_UNAVAILABLE").inc()
             return False
-        with self._busy(rt.key):
-            return await self._save_now(srv, slot, rt, trigger=trigger, actions=actions)
+        try:
+            with self._busy(rt.key):
+                return await self._save_now(srv, slot, rt, trigger=trigger, actions=actions)
+        finally:
+            srv.breaker.end_trial()
 
     async def _save_now(
         self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, *, trigger: str, actions: list[str] | None
@@ -627,9 +764,19 @@ class Coordinator:
             slot=slot.id,
         )
         started = self.monotonic()
+        epoch = srv.epoch
+        if not await self._same_runtime(srv) or srv.epoch != epoch or srv.fingerprint != fingerprint:
+            # The server restarted since this slot was filled: its content is gone, nothing to save.
+            rt.state = previous_state
+            self.metrics.save_failure.labels(srv.name, "KV_SERVER_RESTARTED").inc()
+            return False
         plan = await asyncio.to_thread(self.store.begin_save, rt.identity)
         try:
             saved = await self._persist(srv, srv.backend.save_slot(slot.id, plan.filename))
+            self._check_saved(saved.tokens)
+            # The closing bracket: a file written by another instance is not this session's KV.
+            if not await self._same_runtime(srv) or srv.epoch != epoch or srv.fingerprint != fingerprint:
+                raise SaveFailed("llama-server restarted during the save; the file is discarded")
             await asyncio.to_thread(
                 self.store.commit_save,
                 plan,
@@ -682,6 +829,12 @@ class Coordinator:
             save_ms=round(ms, 1),
         )
         return True
+
+    @staticmethod
+    def _check_saved(tokens: int) -> None:
+        """A dirty session's slot holds its prompt: an empty save is an emptied slot, never a checkpoint."""
+        if tokens <= 0:
+            raise SaveFailed("llama-server saved an empty slot (it lost the session's KV); not recorded")
 
     async def _checkpoint(
         self, rt: SessionRuntime, trigger: str, *, only_revision: int | None = None
@@ -893,13 +1046,7 @@ class Coordinator:
                 await self._give_back(srv, slot)
         with contextlib.suppress(Exception):
             self.scheduler.remove_job(f"idle:{rt.key}")
-        self._idle_armed.discard(rt.key)
-        self._sessions.pop(rt.key, None)
-        keys = self._by_session.get(rt.identity.session_id)
-        if keys is not None:
-            keys.discard(rt.key)
-            if not keys:
-                del self._by_session[rt.identity.session_id]
+        self._drop_runtime(rt)
 
     async def save(self, session_id: str) -> dict[str, Any]:
         results = {}
@@ -1050,6 +1197,14 @@ class Coordinator:
             "persistence": srv.breaker.state.value,
             "last_error": srv.last_error,
             "fingerprint": srv.fingerprint.digest[:16] if srv.fingerprint else None,
+            "runtime": {
+                "identity": srv.identity_kind,
+                "canary": (srv.canary[:12] if srv.canary else "pending")
+                if srv.config.runtime_canary
+                else "off",
+                "canary_failures": srv.canary_failures,
+                "restarts_seen": srv.epoch,
+            },
             "slots": [
                 {
                     "id": s.id,

@@ -1,9 +1,14 @@
 """`ServerRuntime`: one llama-server as the coordinator sees it: its backend, breaker, slots, fingerprint.
 
 Different servers never share a lock (spec §38). `refresh()` probes the server and rebuilds its runtime
-fingerprint; when the server restarted (local process identity changed, or it was unreachable) the
-coordinator is told to drop its belief that any session is resident, so the next request restores
-instead of trusting an empty slot.
+fingerprint; when the server restarted (local process identity changed, its per-start nonce changed, or it
+was unreachable) the coordinator is told to drop its belief that any session is resident, so the next
+request restores instead of trusting an empty slot.
+
+A fingerprint is bound to the server instance it was built for (`instance`: the local process' pid and
+create time, and the nonce llama-server makes at each start). `same_instance()` re-checks that binding
+cheaply; the coordinator brackets every restore and every save commit with it, so a restart between two
+probes can never lend one runtime's fingerprint to another runtime's KV.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import psutil
 
 from kvsidecar.backend.base import BackendCapabilities, KvBackend
 from kvsidecar.config import Mode, ServerConfig
@@ -45,16 +52,25 @@ class ServerRuntime:
         breaker: CircuitBreaker,
         process_finder: ProcessFinder | None,
         digests: FileDigestCache | None,
+        process_check: Callable[[ProcessInfo], bool] | None = None,
     ) -> None:
         self.name = name
         self.config = config
         self.backend = backend
         self.breaker = breaker
         self.process_finder = process_finder
+        self.process_check = process_check or process_alive
         self.digests = digests
         self.caps: BackendCapabilities | None = None
+        # The complete fingerprint (None until every part, the KV canary included, is known).
         self.fingerprint: RuntimeFingerprint | None = None
+        self.canary: str | None = None  # digest of the runtime canary's KV, made on this instance
+        self.canary_failures = 0
+        self.epoch = 0  # counts detected restarts: an operation that spans a change of epoch is void
         self.process: ProcessInfo | None = None
+        # Held while the server is re-probed and re-fingerprinted: an acquire that needs a fingerprint
+        # waits for the one being built instead of starting a second build (a whole-file model hash).
+        self.refresh_lock = asyncio.Lock()
         self.available = False
         self.last_error: str | None = None
         # Requests waiting for a slot, in arrival order: (session key or None, holder, future of the slot).
@@ -62,6 +78,7 @@ class ServerRuntime:
         self.waiters: deque[tuple[str | None, Any, asyncio.Future[Slot]]] = deque()
         first = config.slot_id if config.mode is Mode.SINGLE_SLOT else 0
         self.slots: dict[int, Slot] = {first: Slot(id=first)}
+        self._base: RuntimeFingerprint | None = None  # the fingerprint without the canary
 
     @property
     def slot_n_ctx(self) -> int | None:
@@ -77,9 +94,22 @@ class ServerRuntime:
         for i in [i for i, s in self.slots.items() if i >= total and s.free]:
             del self.slots[i]
 
-    async def refresh(self) -> RefreshResult:
-        """Probe the server; say whether it is up and whether it restarted since the last look."""
-        was_available, old_process = self.available, self.process
+    @property
+    def canary_slot_id(self) -> int:
+        """The slot the canary is always measured on (a state file differs with its slot)."""
+        return min(self.slots)
+
+    @property
+    def needs_canary(self) -> bool:
+        return self.config.runtime_canary and self.available and self.canary is None
+
+    async def refresh(self, *, force: bool = False) -> RefreshResult:
+        """Probe the server; say whether it is up and whether it restarted since the last look.
+
+        `force` rebuilds the fingerprint (and asks for a new canary) even when nothing looks changed:
+        the caller could not prove the server is the instance the fingerprint was made for.
+        """
+        was_available, old_process, old_caps = self.available, self.process, self.caps
         try:
             caps = await self.backend.probe()
         except KvError as exc:
@@ -91,21 +121,19 @@ class ServerRuntime:
             if self.process_finder
             else None
         )
-        restarted = not was_available and self.caps is not None
-        reason = "was unreachable" if restarted else None
-        if old_process is not None and process is not None and old_process.identity != process.identity:
-            restarted, reason = True, "process changed"
-        if self.caps is not None and caps.model_path != self.caps.model_path:
-            restarted, reason = True, "model changed"
+        restarted, reason = _restart_reason(was_available, old_caps, caps, old_process, process)
         self.caps, self.process, self.available, self.last_error = caps, process, True, None
-        if restarted or self.fingerprint is None or (process is not None and old_process is None):
-            self.fingerprint = await asyncio.to_thread(
+        rebuild = force or restarted or self._base is None or (process is not None and old_process is None)
+        if rebuild:
+            self._base = await asyncio.to_thread(
                 build_fingerprint,
                 caps=caps,
                 process=process,
                 runtime_key=self.config.runtime_key,
                 digests=self.digests,
             )
+            self.canary = None
+            self._compose()
         self._sync_slots(caps.total_slots)
         if not was_available:
             event(
@@ -119,6 +147,60 @@ class ServerRuntime:
                 local_process=process.pid if process else None,
             )
         return RefreshResult(available=True, restarted=restarted, reason=reason)
+
+    def set_canary(self, digest: str) -> None:
+        self.canary, self.canary_failures = digest, 0
+        self._compose()
+
+    def _compose(self) -> None:
+        """The full fingerprint: what the server and its process say, plus the canary's KV digest."""
+        base = self._base
+        if base is None or (self.config.runtime_canary and self.canary is None):
+            self.fingerprint = None
+            return
+        if not self.config.runtime_canary:
+            self.fingerprint = base
+            return
+        self.fingerprint = RuntimeFingerprint(
+            components={**base.components, "canary_kv": self.canary or ""}, info=dict(base.info)
+        )
+
+    @property
+    def identity_kind(self) -> str:
+        """How a restart of this server is noticed between probes: what `same_instance` can check."""
+        kinds = [
+            name
+            for name, known in (
+                ("process", self.process is not None),
+                ("nonce", self.caps is not None and self.caps.instance_id is not None),
+            )
+            if known
+        ]
+        return "+".join(kinds) or "none"
+
+    async def same_instance(self) -> bool | None:
+        """Is the server still the instance the fingerprint was built for?
+
+        True: proven (local process alive with the same pid and create time, and/or the same per-start
+        nonce from /props). False: it is not, or the check failed. None: nothing can tell instances
+        apart (a remote server that exposes no nonce); the caller decides how to fail closed.
+        """
+        if self.caps is None or not self.available:
+            return False
+        proven = False
+        if self.process is not None:
+            if not self.process_check(self.process):
+                return False
+            proven = True
+        if self.caps.instance_id is not None:
+            try:
+                nonce = await self.backend.instance_id()
+            except KvError:
+                return False
+            if nonce != self.caps.instance_id:
+                return False
+            proven = True
+        return True if proven else None
 
     def select_slot(self, key: str | None, is_dirty: Callable[[str], bool]) -> Slot | None:
         """Spec §64: the slot the session owns; else an empty one; else LRU clean; else LRU dirty.
@@ -161,3 +243,34 @@ class ServerRuntime:
             if s.owner == key:
                 return s
         return None
+
+
+def process_alive(process: ProcessInfo) -> bool:
+    """The same local process is still running (a pid reused by another process has another start time)."""
+    try:
+        return abs(psutil.Process(process.pid).create_time() - process.create_time) < 1e-3
+    except (psutil.Error, OSError):
+        return False
+
+
+def _restart_reason(
+    was_available: bool,
+    old_caps: BackendCapabilities | None,
+    caps: BackendCapabilities,
+    old_process: ProcessInfo | None,
+    process: ProcessInfo | None,
+) -> tuple[bool, str | None]:
+    """Did the server restart since the last probe, and what shows it."""
+    if old_caps is None:
+        return False, None
+    if old_process is not None and process is not None and old_process.identity != process.identity:
+        return True, "process changed"
+    if old_caps.instance_id != caps.instance_id:
+        return True, "instance nonce changed"
+    if caps.model_path != old_caps.model_path:
+        return True, "model changed"
+    if old_process is not None and process is None:
+        return True, "local process gone"
+    if not was_available:
+        return True, "was unreachable"
+    return False, None

@@ -6,7 +6,7 @@ All of it is owned by the event loop thread; nothing here is touched from anothe
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kvsidecar.store.naming import SnapshotIdentity
@@ -43,6 +43,8 @@ class SessionRuntime:
     last_used_at: float = 0.0
     idle_due: float | None = None  # monotonic deadline of the idle checkpoint
     last_error: str | None = None
+    # (generation, fingerprint digest) pairs a server refused or crashed on: never offered to it again
+    refused: set[tuple[str, str]] = field(default_factory=set)
 
     @property
     def key(self) -> str:

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
+import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 TEMP_MARK = ".tmp-"
+# The only names sweep_temp_files() may delete: `.<target name>.tmp-<hex>`, as atomic_write_bytes makes.
+TEMP_FILE = re.compile(r"\A\.[A-Za-z0-9._-]{1,200}\.tmp-[0-9a-f]{1,32}\Z", re.ASCII)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -45,21 +50,67 @@ def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o600, durable: b
 
 
 def sweep_temp_files(directory: Path) -> list[Path]:
-    """Remove temp files a crashed write left behind. Only ours: dot-names carrying the temp mark."""
-    removed = []
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir(directory):
-            if (
-                entry.name.startswith(".")
-                and TEMP_MARK in entry.name
-                and entry.is_file(follow_symlinks=False)
-            ):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-                    removed.append(Path(entry.path))
+    """Remove temp files a crashed write left behind. Only ours: regular files named like TEMP_FILE,
+    unlinked relative to the directory (a planted link is removed itself, never followed)."""
+    removed: list[Path] = []
+    try:
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return removed
+    try:
+        for name in os.listdir(dfd):
+            if not TEMP_FILE.match(name):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISREG(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=dfd)
+                    removed.append(directory / name)
+    finally:
+        os.close(dfd)
     return removed
 
 
 def ensure_private_dir(directory: Path) -> None:
     """Create a directory 0700 (KV snapshots are plaintext transcripts)."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+
+PRIVATE = 0o700
+SHARED = 0o2770  # setgid, group rwx: llama-server as another user of a shared group (install-systemd)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DirMode:
+    path: Path
+    before: int
+    after: int
+    changed: bool
+    problem: str | None  # too open and we could not fix it
+
+
+def secure_directory(directory: Path, *, allow_shared_group: bool = False) -> DirMode:
+    """Tighten a directory we own to 0700 (or keep a deliberate shared-group setup, setgid + group
+    writable, at exactly 2770 when allowed). Never through a symlink. If we do not own it, nothing is
+    changed, and `problem` says what to do when others (or, for a private one, the group) have access."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        before = stat.S_IMODE(st.st_mode)
+        shared = allow_shared_group and before & stat.S_ISGID and before & stat.S_IWGRP
+        want = SHARED if shared else PRIVATE
+        if before == want:
+            return DirMode(path=directory, before=before, after=before, changed=False, problem=None)
+        if st.st_uid == os.geteuid():
+            os.fchmod(fd, want)
+            return DirMode(path=directory, before=before, after=want, changed=True, problem=None)
+    finally:
+        os.close(fd)
+    # Not ours: for a snapshot directory, the group is how we get in; others must have nothing.
+    mask, who = (0o007, "o") if allow_shared_group else (0o077, "go")
+    problem = (
+        f"mode {before:04o}, owned by uid {st.st_uid}, not by us (uid {os.geteuid()}): cannot tighten it; "
+        f"its owner should run: chmod {who}-rwx {directory}"
+        if before & mask
+        else None
+    )
+    return DirMode(path=directory, before=before, after=before, changed=False, problem=problem)

@@ -2,22 +2,102 @@
 
 A manifest records, per generation (`a`/`b`), what the save produced: file name, tokens, bytes on disk,
 checksum, state-file format version and the runtime fingerprint it was saved under, and which generation
-is current. The `.bin` files themselves live in the server's snapshot directory. Decoding never raises
-anything but `ManifestInvalid`; writing goes only through `atomic_write_bytes`.
+is current. The `.bin` files themselves live in the server's snapshot directory. Writing goes only through
+`atomic_write_bytes`.
+
+A manifest on disk is hostile input. Reading it: a plain regular file of ours (no link, FIFO, ...), at
+most `MAX_BYTES`, nested at most `MAX_DEPTH` deep (checked before any parser runs), then a strict schema
+(types are not coerced: `"tokens": "958"` is refused; unknown fields are refused). Each generation's
+`filename` must be exactly the name derived from the manifest's own key and that generation, so a
+manifest can never point at a file outside the snapshot directory or at another session's file.
+Decoding never raises anything but `BadManifest` (a `ManifestInvalid`) with a stable `reason`.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from kvsidecar.errors import ManifestInvalid
 from kvsidecar.store.atomic import atomic_write_bytes
-from kvsidecar.store.naming import GENERATIONS, Generation, SnapshotIdentity
+from kvsidecar.store.confined import read_capped
+from kvsidecar.store.jsonlimits import JsonLimitError, check_limits
+from kvsidecar.store.naming import GENERATIONS, Generation, SnapshotIdentity, snapshot_filename
 
 SCHEMA_VERSION = 1
+MAX_BYTES = 64 * 1024  # a real manifest is under 2 KB
+MAX_DEPTH = 4  # {"generations": {"a": {...}}} is 3
+
+# Stable reasons a manifest file is refused (logged, and reported by status/doctor).
+UNREADABLE = "MANIFEST_UNREADABLE"
+NOT_REGULAR = "MANIFEST_NOT_REGULAR"
+TOO_LARGE = "MANIFEST_TOO_LARGE"
+TOO_DEEP = "MANIFEST_TOO_DEEP"
+NOT_JSON = "MANIFEST_NOT_JSON"
+SCHEMA = "MANIFEST_SCHEMA"
+KEY_MISMATCH = "MANIFEST_KEY_MISMATCH"
+BAD_FILENAME = "MANIFEST_BAD_FILENAME"
+BAD_NAME = "MANIFEST_BAD_NAME"
+
+
+class BadManifest(ManifestInvalid):
+    """A manifest that is refused as a whole; `reason` is one of the codes above."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+_Hex32 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
+_Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
+_Time = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+def _printable(value: str) -> str:
+    if not value.isprintable():
+        raise ValueError("must be printable")
+    return value
+
+
+_Label = Annotated[str, StringConstraints(min_length=1, max_length=256), AfterValidator(_printable)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class _RecordSchema(_Strict):
+    filename: Annotated[str, StringConstraints(max_length=64)]
+    tokens: _Count
+    header_tokens: _Count
+    bytes: _Count
+    checksum: Annotated[str, StringConstraints(pattern=r"^xxh3-128:[0-9a-f]{32}$")] | None
+    format_version: Annotated[int, Field(ge=0, le=2**32 - 1)]
+    fingerprint: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{16,128}$")]
+    saved_at: _Time
+    revision: _Count
+    invalid_reason: Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Z0-9_]{0,63}$")] | None = None
+
+
+class _ManifestSchema(_Strict):
+    key: _Hex32
+    server: _Label
+    provider: _Label
+    model: _Label
+    session_id: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._:@+\-]{1,128}$")]
+    created_at: _Time
+    updated_at: _Time
+    last_used_at: _Time
+    current: Literal["a", "b"] | None = None
+    generations: dict[Literal["a", "b"], _RecordSchema] = Field(default_factory=dict)
+    session_seq: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    schema_: Literal[1] = Field(alias="schema")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,25 +182,36 @@ class Manifest:
     @classmethod
     def from_json(cls, raw: bytes, *, source: str = "manifest") -> Manifest:
         try:
-            data = json.loads(raw)
-            if not isinstance(data, dict) or data.get("schema") != SCHEMA_VERSION:
-                raise ManifestInvalid(
-                    f"{source}: unknown schema {data.get('schema') if isinstance(data, dict) else None}"
-                )
-            gens = data.pop("generations", {})
-            if not isinstance(gens, dict) or not set(gens) <= set(GENERATIONS):
-                raise ManifestInvalid(f"{source}: bad generations")
-            records = {g: GenerationRecord(**r) for g, r in gens.items()}
-            manifest = cls(generations=records, **data)
-        except ManifestInvalid:
-            raise
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise ManifestInvalid(f"{source}: {type(exc).__name__}: {str(exc)[:120]}") from None
+            check_limits(raw, max_bytes=MAX_BYTES, max_depth=MAX_DEPTH)
+            data = _ManifestSchema.model_validate_json(raw)
+        except JsonLimitError as exc:
+            reason = TOO_LARGE if exc.reason == "TOO_LARGE" else TOO_DEEP
+            raise BadManifest(reason, f"{source}: {exc}") from None
+        except ValidationError as exc:
+            raise BadManifest(*_schema_error(exc, source)) from None
+        records: dict[str, GenerationRecord] = {
+            g: GenerationRecord(**r.model_dump()) for g, r in data.generations.items()
+        }
+        manifest = cls(
+            **data.model_dump(exclude={"generations", "schema_"}), generations=records, schema=data.schema_
+        )
+        for gen, rec in data.generations.items():
+            if rec.filename != snapshot_filename(manifest.key, gen):
+                raise BadManifest(BAD_FILENAME, f"{source}: generation {gen} names a file not its own")
         if manifest.current is not None and manifest.current not in records:
-            raise ManifestInvalid(f"{source}: current generation {manifest.current!r} has no record")
+            raise BadManifest(SCHEMA, f"{source}: current generation {manifest.current!r} has no record")
         if manifest.identity.key != manifest.key:
-            raise ManifestInvalid(f"{source}: key does not match its identity")
+            raise BadManifest(KEY_MISMATCH, f"{source}: key does not match its identity")
         return manifest
+
+
+def _schema_error(exc: ValidationError, source: str) -> tuple[str, str]:
+    err = exc.errors()[0]
+    if err["type"] == "json_invalid":
+        return NOT_JSON, f"{source}: not JSON"
+    where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return SCHEMA, f"{source}: {where}: {err['msg'][:100]}{more}"
 
 
 def manifest_path(directory: Path, key: str) -> Path:
@@ -132,11 +223,29 @@ def write_manifest(directory: Path, manifest: Manifest, *, durable: bool = True)
 
 
 def read_manifest(path: Path) -> Manifest:
+    """Read one manifest file: never through a link, never more than MAX_BYTES, never a parse of an
+    over-deep document. The file name must be `<key>.json` for the key inside."""
     try:
-        raw = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise ManifestInvalid(f"{path.name}: cannot read ({exc.strerror})") from None
-    manifest = Manifest.from_json(raw, source=path.name)
-    if path.stem != manifest.key:
-        raise ManifestInvalid(f"{path.name}: file name does not match its key")
+        reason = NOT_REGULAR if os.path.islink(path) else UNREADABLE
+        raise BadManifest(reason, f"{path.name[:40]}: cannot open ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not _is_plain_file(st):
+            raise BadManifest(NOT_REGULAR, f"{path.name[:40]}: not a plain regular file of ours")
+        if st.st_size > MAX_BYTES:
+            raise BadManifest(TOO_LARGE, f"{path.name[:40]}: {st.st_size} bytes > {MAX_BYTES}")
+        raw = read_capped(fd, MAX_BYTES)
+    except OSError as exc:
+        raise BadManifest(UNREADABLE, f"{path.name[:40]}: cannot read ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+    manifest = Manifest.from_json(raw, source=path.name[:40])
+    if path.name != f"{manifest.key}.json":
+        raise BadManifest(KEY_MISMATCH, f"{path.name[:40]}: file name does not match its key")
     return manifest
+
+
+def _is_plain_file(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid()

@@ -18,13 +18,18 @@ from kvsidecar.errors import BadRequest, InvalidSessionId
 Generation = Literal["a", "b"]
 GENERATIONS: tuple[Generation, Generation] = ("a", "b")
 
-_SESSION_ID = re.compile(r"^[A-Za-z0-9._:@+\-]{1,128}$")
+_SESSION_ID = re.compile(r"\A[A-Za-z0-9._:@+\-]{1,128}\Z", re.ASCII)
 _LABEL_MAX = 256
 _NAME_VERSION = "kvsidecar-v1"
-SNAPSHOT_FILE = re.compile(r"^(?P<key>[0-9a-f]{32})\.(?P<gen>[ab])\.bin$")
-
 
 # Invariant 9: snapshot file names are ours (an xxh3 digest + generation), never a client string.
+# Every name read back from disk (a manifest field, a directory listing, a watcher event) must match one
+# of these patterns before it is used at all. `\A...\Z` and re.ASCII: no trailing newline, no Unicode
+# digits or look-alikes, no separators, no dot-only names, bounded length.
+SNAPSHOT_FILE = re.compile(r"\A(?P<key>[0-9a-f]{32})\.(?P<gen>[ab])\.bin\Z", re.ASCII)
+MANIFEST_FILE = re.compile(r"\A(?P<key>[0-9a-f]{32})\.json\Z", re.ASCII)
+FINGERPRINT_FILE = re.compile(r"\A(?P<digest>[0-9a-f]{16,128})\.json\Z", re.ASCII)
+KEY = re.compile(r"\A[0-9a-f]{32}\Z", re.ASCII)
 
 
 def validate_session_id(session_id: str) -> str:
@@ -67,3 +72,19 @@ class SnapshotIdentity:
 
 def other_generation(generation: Generation | None) -> Generation:
     return "b" if generation == "a" else "a"
+
+
+def snapshot_filename(key: str, generation: Generation) -> str:
+    """The one file name a snapshot identity's generation may have (the manifest cannot choose another)."""
+    if not KEY.match(key) or generation not in GENERATIONS:
+        raise ValueError("not a snapshot key/generation")
+    return f"{key}.{generation}.bin"
+
+
+def parse_snapshot_name(name: str) -> tuple[str, Generation] | None:
+    """(key, generation) when `name` is one of our snapshot file names, else None."""
+    m = SNAPSHOT_FILE.match(name) if isinstance(name, str) else None
+    if m is None:
+        return None
+    gen: Generation = "a" if m.group("gen") == "a" else "b"
+    return m.group("key"), gen

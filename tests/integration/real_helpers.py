@@ -99,4 +99,5 @@ async def real_harness(server: LlamaServer, tmp_path: Path, **overrides: Any) ->
         digests=FileDigestCache(config.state_dir / "digests.json"),
     )
     await coordinator.start()
+    backend.calls.clear()  # the runtime canary measured at start
     return RealHarness(coordinator=coordinator, backend=backend, server=server)

@@ -75,7 +75,12 @@ async def start_harness(tmp_path: Path, *, total_slots: int = 1, **overrides: An
     store.open()
     process: list[ProcessInfo | None] = [None]
     coordinator = Coordinator(
-        config=config, store=store, backends={"local": fake}, process_finder=lambda _url: process[0]
+        config=config,
+        store=store,
+        backends={"local": fake},
+        process_finder=lambda _url: process[0],
+        process_check=lambda p: process[0] is not None and process[0].identity == p.identity,
     )
     await coordinator.start()
+    fake.calls.clear()  # the runtime canary measured at start
     return Harness(coordinator=coordinator, fake=fake, process=process)

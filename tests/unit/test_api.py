@@ -10,7 +10,7 @@ import pytest
 
 from kvsidecar.api import create_app
 from kvsidecar.client import KvSidecarClient, SidecarError
-from tests.unit.coordinator_helpers import Harness, start_harness
+from tests.unit.coordinator_helpers import Harness, conversation, start_harness
 
 TOKEN = "t" * 32
 
@@ -85,8 +85,9 @@ async def test_client_context_manager_releases_and_aborts(h: Harness) -> None:
 
 async def test_events_save_restore_invalidate_purge(h: Harness) -> None:
     async with client(h) as kv:
-        async with kv.acquire("A", provider="local", model="m"):
-            pass
+        async with kv.acquire("A", provider="local", model="m") as lease:
+            assert lease.slot_id is not None
+            h.fake.infer(lease.slot_id, conversation("A", 1))
         assert (await kv.event("A", "flush"))["saved"] == 1
         async with kv.acquire("B", provider="local", model="m"):
             pass

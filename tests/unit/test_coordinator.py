@@ -10,7 +10,7 @@ import pytest
 
 from kvsidecar.coordinator.breaker import BreakerState
 from kvsidecar.coordinator.state import Lease, Outcome, SessionState
-from kvsidecar.errors import InvalidSessionId, LeaseNotFound, SaveFailed, SlotBusy
+from kvsidecar.errors import InvalidSessionId, LeaseNotFound, MetadataIO, SaveFailed, SlotBusy
 from kvsidecar.store.fingerprint import ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity
 from tests.unit.coordinator_helpers import Harness, start_harness
@@ -85,7 +85,9 @@ async def test_corrupt_snapshot_is_invalidated_and_the_request_goes_cold(h: Harn
     assert m is not None and m.generations["a"].invalid_reason == "SNAPSHOT_CORRUPT"
 
 
-async def test_restore_error_from_the_server_falls_back_cold(h: Harness) -> None:
+async def test_restore_refused_by_the_server_falls_back_cold_and_keeps_the_file(h: Harness) -> None:
+    """Only evidence about the file invalidates it: a refusal keeps the file and is not repeated against
+    the same runtime."""
     await h.turn("A")
     await h.turn("B")
     h.fake.fail_next_restore()
@@ -94,7 +96,37 @@ async def test_restore_error_from_the_server_falls_back_cold(h: Harness) -> None
     assert h.calls()[-2:] == ["restore", "erase"]
     assert owner(h) == key("A")
     m = h.coordinator.store.get(key("A"))
-    assert m is not None and m.generations["a"].invalid_reason == "RESTORE_FAILED"
+    assert m is not None and all(rec.invalid_reason is None for _, rec in m.ordered_generations())
+    rt = h.coordinator._sessions[key("A")]
+    assert len(rt.refused) == 1
+
+
+async def test_restore_refused_is_not_offered_again_to_the_same_runtime(h: Harness) -> None:
+    await h.turn("A")
+    await h.turn("B")
+    h.fake.fail_next_restore()
+    await h.turn("A")  # refused: cold, A is now resident and dirty again (a new generation is saved next)
+    await h.turn("B")  # A saved into its other generation
+    h.calls()
+    r, *_ = await h.turn("A")
+    assert r.outcome is Outcome.RESTORED  # the newly saved generation, not the refused one
+
+
+async def test_server_unreachable_at_restore_never_invalidates(h: Harness) -> None:
+    await h.turn("A")
+    await h.turn("B")
+    h.fake.set_unavailable()
+    r = await h.coordinator.acquire("A", provider="local", model="m")
+    assert r.outcome is Outcome.COLD_FALLBACK
+    assert r.lease_id is not None
+    await h.coordinator.release(r.lease_id, status="aborted")
+    m = h.coordinator.store.get(key("A"))
+    assert m is not None and m.has_valid
+    h.fake.set_unavailable(False)
+    h.fake.restart()
+    await h.coordinator._refresh(h.coordinator.servers["local"])  # the probe sees the new instance
+    r, *_ = await h.turn("A")
+    assert r.outcome is Outcome.RESTORED
 
 
 async def test_previous_generation_is_the_fallback(h: Harness) -> None:
@@ -453,3 +485,40 @@ async def test_slot_selection_order(
             assert srv.select_slot("s", lambda k: k in dirty) is None  # wait for its own slot
     finally:
         await h.coordinator.aclose()
+
+
+async def test_half_open_trial_ending_without_a_verdict_does_not_wedge_the_breaker(h: Harness) -> None:
+    """Issue 14: a trial that ended in a non-backend error (the manifest commit failing) kept
+    trial_in_flight set, and persistence for the server stayed off until a restart."""
+    await h.turn("A")
+    srv = h.coordinator.servers["local"]
+    now = [1000.0]
+    srv.breaker.clock = lambda: now[0]
+    for _ in range(srv.breaker.max_consecutive_failures):
+        srv.breaker.failure("KV_SAVE_FAILED")
+    now[0] += srv.breaker.cooldown_s + 1  # half-open: one trial
+
+    def broken_commit(*args: object, **kwargs: object) -> None:
+        raise MetadataIO("disk went away under the manifest")
+
+    real_commit = h.coordinator.store.commit_save
+    h.coordinator.store.commit_save = broken_commit  # type: ignore[method-assign]
+    await h.turn("B")  # evicts A: the save is the trial, and its commit fails
+    h.coordinator.store.commit_save = real_commit  # type: ignore[method-assign]
+    assert not srv.breaker.trial_in_flight
+    await h.turn("A")
+    await h.turn("B")  # the breaker lets persistence through again
+    assert "save" in h.calls()
+
+
+async def test_unreadable_manifest_while_finding_falls_back_cold(h: Harness) -> None:
+    """Issue 14: a MetadataIO error while finding a snapshot failed the acquire instead of going cold."""
+    await h.turn("A")
+    await h.turn("B")
+
+    def unreadable(*args: object, **kwargs: object) -> None:
+        raise MetadataIO("manifest unreadable: I/O error")
+
+    h.coordinator.store.find_restorable = unreadable  # type: ignore[method-assign,assignment]
+    r, _, prompt_n, cache_n = await h.turn("A")
+    assert r.outcome is Outcome.COLD and cache_n == 0 and prompt_n > 0

@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -42,28 +43,39 @@ class Rig:
 
 
 async def rig(
-    tmp_path: Path, origin: Origin, *, proxy: dict[str, object] | None = None, **overrides: object
+    tmp_path: Path,
+    origin: Origin,
+    *,
+    proxy: Mapping[str, Any] | None = None,
+    server: Mapping[str, Any] | None = None,
+    base_path: str = "",
+    **overrides: Any,
 ) -> AsyncIterator[Rig]:
+    """The proxy under uvicorn (with the listener limits `kvsidecar serve` uses) in front of `origin`;
+    `server` adds to servers.local, `base_path` is a path prefix of its base_url."""
     await origin.start()
+    if server and server.get("api_key_file"):  # the config then needs a token of our own
+        (tmp_path / "token").write_text(TOKEN)
+        overrides["api"] = {**(overrides.get("api") or {}), "token_file": str(tmp_path / "token")}
     h = await start_harness(
         tmp_path,
-        servers={"local": {"base_url": origin.url}},
+        servers={"local": {"base_url": origin.url + base_path, **(server or {})}},
         proxy={"enabled": True, **(proxy or {})},
         **overrides,
     )
-    proxy = Proxy(h.coordinator, h.coordinator.config, token=TOKEN, check_host=True)
-    server = _uvicorn(proxy, lifespan="off")
+    app = Proxy(h.coordinator, h.coordinator.config, token=TOKEN, check_host=True)
+    uv = _uvicorn(app, lifespan="off", listener=app.listener)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
-    while not server.started:
+    task = asyncio.ensure_future(uv.serve(sockets=[sock]))
+    while not uv.started:
         await asyncio.sleep(0.01)
     try:
         yield Rig(h, origin, f"http://127.0.0.1:{sock.getsockname()[1]}")
     finally:
-        server.should_exit = True
+        uv.should_exit = True
         await task
-        await proxy.aclose()
+        await app.aclose()
         await h.coordinator.aclose()
         await origin.stop()
 

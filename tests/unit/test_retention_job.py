@@ -139,10 +139,10 @@ async def test_crash_between_record_and_file_leaves_an_orphan(
     save(store, 0)
     path = store.snapshot_dirs["local"] / ident(0).filename("a")
 
-    def dies(_path: Path) -> int:
+    def dies(_store: SnapshotStore, _server: str, _name: str) -> int:
         raise MetadataIO("process killed here")
 
-    monkeypatch.setattr(SnapshotStore, "_unlink", staticmethod(dies))
+    monkeypatch.setattr(SnapshotStore, "_unlink", dies)
     report = await job(store, max_total_bytes=1).run()
     assert report["deletions"][0]["deleted"] is False
     monkeypatch.undo()

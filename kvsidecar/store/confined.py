@@ -1,0 +1,204 @@
+"""Confined file access: the only way the store touches a file whose name it did not just compute.
+
+Names read from disk (manifest fields, directory listings, watcher events) are hostile. `ConfinedDir`
+accepts a name only if it matches the directory's own pattern (one of ours from `naming`: no separators,
+ASCII, bounded), and then touches it only relative to a descriptor of the directory opened with
+O_NOFOLLOW, never following the final component: a symlink, FIFO, device or directory planted at one of
+our names is never opened through, hashed, sized or chmod-ed; at most the entry itself is unlinked.
+
+A file we read must be a regular file with one link, owned by an expected user (ours, or the owner of the
+directory: llama-server running as another user of a shared group). Every check is done on the open
+descriptor (fstat), so what is checked is what is read.
+
+What this cannot close: llama-server opens snapshot files by name, following links, after our checks (it
+reads on restore, creates/truncates on save). Someone who can write the snapshot directory can swap a
+name between our check and the server's open. Directories are therefore 0700 (or 2770 for a shared group,
+see `secure_directory`), so that "someone" is limited to our user, llama-server's user and root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvsidecar.errors import SnapshotCorrupt, SnapshotNotFound
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO planted at one of our names must not hang the daemon.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+UNSAFE = "SNAPSHOT_FILE_UNSAFE"  # reason code: not a plain regular file of ours at one of our names
+
+
+class UnsafeFile(SnapshotCorrupt):
+    """A name that is not ours, or an entry that is not a plain regular file of ours (link, FIFO, ...)."""
+
+    reason = UNSAFE
+
+
+def describe(st: os.stat_result) -> str:
+    """What kind of entry this is, for log lines and error messages."""
+    mode = st.st_mode
+    for test, name in (
+        (stat.S_ISLNK, "symlink"),
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "fifo"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
+        if test(mode):
+            return name
+    if stat.S_ISREG(mode):
+        return "regular file" if st.st_nlink == 1 else f"regular file with {st.st_nlink} links"
+    return "unknown file type"
+
+
+def problem(st: os.stat_result, uids: frozenset[int]) -> str | None:
+    """Why an entry may not be read as one of our files; None if it is a plain regular file of ours."""
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        return f"is a {describe(st)}"
+    if st.st_uid not in uids:
+        return f"is owned by uid {st.st_uid}, expected one of {sorted(uids)}"
+    return None
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    st: os.stat_result  # lstat: the entry itself, never what a link points to
+
+
+class ConfinedDir:
+    """One directory of ours and the pattern every name in it must match."""
+
+    def __init__(self, path: Path, names: re.Pattern[str]) -> None:
+        self.path = Path(path)
+        self.names = names
+
+    def check(self, name: str) -> str:
+        if not isinstance(name, str) or not self.names.match(name):
+            raise UnsafeFile(f"{name!r:.80} is not one of our file names in {self.path}")
+        joined = os.path.join(self.path, name)
+        if os.path.dirname(joined) != str(self.path) or os.path.basename(joined) != name:
+            raise UnsafeFile(f"{name!r:.80} is not inside {self.path}")  # belt and braces
+        return name
+
+    def join(self, name: str) -> Path:
+        """The path of a validated name (for callers that hand a name to someone else)."""
+        return self.path / self.check(name)
+
+    @contextlib.contextmanager
+    def fd(self) -> Iterator[int]:
+        """The directory itself, never through a symlink planted in its place."""
+        try:
+            dfd = os.open(self.path, _DIR_FLAGS)
+        except FileNotFoundError:
+            raise SnapshotNotFound(f"{self.path}: no such directory") from None
+        except OSError as exc:
+            raise UnsafeFile(f"{self.path}: cannot open as a directory ({exc.strerror})") from None
+        try:
+            yield dfd
+        finally:
+            os.close(dfd)
+
+    def owner(self) -> int | None:
+        with contextlib.suppress(OSError, SnapshotNotFound), self.fd() as dfd:
+            return os.fstat(dfd).st_uid
+        return None
+
+    def expected_uids(self) -> frozenset[int]:
+        """Who may own our files: us, and the directory's owner (llama-server's user, shared group)."""
+        owner = self.owner()
+        return frozenset({os.geteuid()} | ({owner} if owner is not None else set()))
+
+    def lstat(self, name: str) -> os.stat_result | None:
+        self.check(name)
+        with self.fd() as dfd:
+            try:
+                return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                return None
+
+    @contextlib.contextmanager
+    def open_file(
+        self, name: str, *, uids: frozenset[int] | None = None
+    ) -> Iterator[tuple[int, os.stat_result]]:
+        """A read-only descriptor of a plain regular file of ours, and its fstat."""
+        self.check(name)
+        allowed = uids if uids is not None else self.expected_uids()
+        with self.fd() as dfd:
+            try:
+                fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+            except FileNotFoundError:
+                raise SnapshotNotFound(f"{name[:40]}: no such file") from None
+            except OSError as exc:
+                st = _lstat_or_none(name, dfd)
+                kind = describe(st) if st is not None else exc.strerror
+                raise UnsafeFile(f"{name[:40]}: not opened ({kind})") from None
+        try:
+            st = os.fstat(fd)
+            why = problem(st, allowed)
+            if why is not None:
+                raise UnsafeFile(f"{name[:40]}: {why}")
+            yield fd, st
+        finally:
+            os.close(fd)
+
+    def unlink(self, name: str) -> int | None:
+        """Remove the entry itself (a link, never its target). Returns the bytes a plain regular file
+        held (0 for other entries), None if nothing was there. A directory at one of our names is left
+        alone (UnsafeFile): nothing is ever deleted recursively."""
+        self.check(name)
+        with self.fd() as dfd:
+            st = _lstat_or_none(name, dfd)
+            if st is None:
+                return None
+            if stat.S_ISDIR(st.st_mode):
+                raise UnsafeFile(f"{name[:40]}: is a directory; not removed")
+            try:
+                os.unlink(name, dir_fd=dfd)
+            except FileNotFoundError:
+                return None
+        return st.st_size if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
+
+    def scan(self) -> list[Entry]:
+        """Entries whose names match the pattern (lstat'ed); everything else is not ours and ignored.
+        A missing directory has no entries; one that cannot be opened safely raises UnsafeFile."""
+        out: list[Entry] = []
+        try:
+            with self.fd() as dfd:
+                for name in os.listdir(dfd):
+                    if not self.names.match(name):
+                        continue
+                    st = _lstat_or_none(name, dfd)
+                    if st is not None:
+                        out.append(Entry(name, st))
+        except SnapshotNotFound:
+            return []
+        return out
+
+
+def _lstat_or_none(name: str, dfd: int) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def read_capped(fd: int, limit: int) -> bytes:
+    """Up to limit + 1 bytes (so the caller can tell "too large" from "exactly at the limit")."""
+    chunks: list[bytes] = []
+    left = limit + 1
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 16))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,162 @@
+"""Issue 16 A: a restore or a save commit is bracketed by a check of the server's identity.
+
+The fake engine computes a prompt's "KV" from its salt (model and KV-shaping settings), so the runtime
+canary tells two runtimes apart even when nothing the server reports differs. No probe runs between the
+steps of these tests (probe_interval_s is an hour): every detection here comes from the brackets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from kvsidecar.coordinator.state import Outcome
+from kvsidecar.store.fingerprint import ProcessInfo
+from tests.unit.coordinator_helpers import Harness, start_harness
+
+
+@pytest.fixture
+async def h(tmp_path: Path) -> AsyncIterator[Harness]:
+    harness = await start_harness(tmp_path)
+    yield harness
+    await harness.coordinator.aclose()
+
+
+def key(h: Harness, session: str) -> str:
+    return next(k for k, rt in h.coordinator._sessions.items() if rt.identity.session_id == session)
+
+
+def tokens_of(h: Harness, session: str) -> list[int]:
+    m = h.coordinator.store.get(key(h, session))
+    assert m is not None
+    return [rec.tokens for _, rec in m.ordered_generations()]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model_path": "/models/other.gguf"},  # another model at another path: /props shows it
+        {"kv_salt": "same path, other weights"},  # replaced in place, or an LLAMA_ARG_* setting
+    ],
+)
+async def test_restart_with_another_runtime_inside_the_probe_window_never_restores(
+    h: Harness, change: dict[str, str]
+) -> None:
+    await h.turn("A")
+    await h.turn("B")  # A saved under the first runtime
+    h.fake.restart(**change)
+    h.calls()
+    r, _, prompt_n, cache_n = await h.turn("A")
+    assert r.outcome is Outcome.COLD_FALLBACK
+    assert "restore" not in h.calls()
+    assert cache_n == 0 and prompt_n == 100
+
+
+async def test_same_runtime_restart_inside_the_window_still_restores(h: Harness) -> None:
+    await h.turn("A")
+    await h.turn("B")
+    h.fake.restart()  # same model, same settings: the canary is the same, the snapshot is good
+    r, _, _, cache_n = await h.turn("A")
+    assert r.outcome is Outcome.RESTORED and cache_n == 50
+
+
+async def test_dirty_owner_is_not_saved_from_the_emptied_slot_after_a_restart(h: Harness) -> None:
+    await h.turn("A")
+    await h.turn("A")  # A is dirty and resident; nothing saved yet
+    h.fake.restart()
+    h.calls()
+    await h.turn("B")  # evicts A: A's KV died with the old process, there is nothing to save
+    assert h.coordinator.store.get(key(h, "A")) is None
+    assert not any(name.startswith(key(h, "A")) for name in _files(h))
+
+
+async def test_a_save_in_the_window_is_not_recorded_under_the_previous_runtime(h: Harness) -> None:
+    for session in ("A", "B", "A", "B"):  # both saved under runtime 1; B resident
+        await h.turn(session)
+    srv = h.coordinator.servers["local"]
+    assert srv.fingerprint is not None
+    runtime1 = srv.fingerprint.digest
+    before, runtime1_salt = tokens_of(h, "B"), h.fake.kv_salt
+    h.fake.restart(kv_salt="runtime 2")
+    await h.turn("B")  # believed resident (a remote server: no local process to check): runs on runtime 2
+    r, *_ = await h.turn("A")  # evicts B: B's KV is runtime 2's and is never recorded as runtime 1's
+    assert r.outcome is Outcome.COLD_FALLBACK  # and A's runtime-1 snapshot is not restored into it
+    m = h.coordinator.store.get(key(h, "B"))
+    assert m is not None and tokens_of(h, "B") == before
+    assert all(rec.fingerprint == runtime1 for _, rec in m.ordered_generations())
+    h.fake.restart(kv_salt=runtime1_salt)  # back to runtime 1: B's snapshot is good again
+    await h.coordinator._refresh(srv)
+    r, _, _, cache_n = await h.turn("B")
+    assert r.outcome is Outcome.RESTORED and cache_n > 0
+
+
+async def test_restart_during_the_restore_voids_it(h: Harness) -> None:
+    await h.turn("A")
+    await h.turn("B")
+    h.fake.delay_restore(50)
+    task = asyncio.ensure_future(h.coordinator.acquire("A", provider="local", model="m"))
+    while not any(c[0] == "restore" for c in h.fake.calls):
+        await asyncio.sleep(0.005)
+    h.fake.restart(kv_salt="runtime 2")
+    r = await task
+    assert r.outcome is Outcome.COLD_FALLBACK and r.reason == "server restarted during restore"
+    assert r.slot_id is not None and r.lease_id is not None
+    assert h.fake.slot_tokens(r.slot_id) == []  # the restored KV landed in runtime 2: erased
+    await h.coordinator.release(r.lease_id, status="aborted")
+    m = h.coordinator.store.get(key(h, "A"))
+    assert m is not None and m.has_valid  # the file is fine; it belongs to runtime 1
+
+
+async def test_restart_during_the_save_discards_the_file(h: Harness) -> None:
+    await h.turn("A")
+    h.fake.delay_save(50)
+    task = asyncio.ensure_future(h.turn("B"))
+    while not any(c[0] == "save" for c in h.fake.calls):
+        await asyncio.sleep(0.005)
+    h.fake.restart()
+    await task
+    assert h.coordinator.store.get(key(h, "A")) is None
+    assert not any(name.startswith(key(h, "A")) for name in _files(h))
+
+
+async def test_local_process_restart_is_seen_on_the_resident_path(h: Harness) -> None:
+    srv = h.coordinator.servers["local"]
+    h.process[0] = ProcessInfo(pid=10, create_time=1.0, exe=None, cmdline=("llama-server",), flags={})
+    await h.coordinator._refresh(srv)
+    await h.turn("A")
+    await h.coordinator.save("A")
+    h.fake.restart()
+    h.process[0] = ProcessInfo(pid=11, create_time=2.0, exe=None, cmdline=("llama-server",), flags={})
+    r, _, _, cache_n = await h.turn("A")  # not "resident": the process that held the KV is gone
+    assert r.outcome is Outcome.RESTORED and cache_n == 50
+
+
+async def test_server_without_any_identity_is_re_fingerprinted_before_each_restore(h: Harness) -> None:
+    h.fake.nonce = None  # a remote server that exposes no per-start nonce
+    h.fake.restart()
+    await h.coordinator._refresh(h.coordinator.servers["local"])
+    await h.turn("A")
+    await h.turn("B")
+    h.fake.restart(kv_salt="runtime 2")
+    h.calls()
+    r, *_ = await h.turn("A")
+    calls = h.calls()
+    assert r.outcome is Outcome.COLD_FALLBACK and "restore" not in calls and "prefill" in calls
+
+
+async def test_sessions_with_nothing_are_forgotten(h: Harness) -> None:
+    h.coordinator.config = h.coordinator.config.model_copy(
+        update={"checkpoint": h.coordinator.config.checkpoint.model_copy(update={"on_switch": False})}
+    )
+    for i in range(20):
+        await h.turn(f"s{i}")
+    h.coordinator._forget_idle_sessions()
+    # only the resident one is left: the others have no snapshot, no slot, no lease
+    assert len(h.coordinator._sessions) == 1 and len(h.coordinator._by_session) == 1
+
+
+def _files(h: Harness) -> list[str]:
+    return sorted(p.name for p in h.fake.snapshot_dir.iterdir())
