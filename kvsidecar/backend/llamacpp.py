@@ -33,6 +33,15 @@ from kvsidecar.errors import (
     SlotNotFound,
 )
 
+# llama-server's per-start media marker: `<__media_` + random characters + `__>`. A marker pinned by the
+# operator (LLAMA_MEDIA_MARKER) or an older build's constant `<__media__>` is not a nonce: refused.
+_NONCE = re.compile(r"^<__media_[A-Za-z0-9_-]{16,}__>$")
+
+
+def _nonce(value: Any) -> str | None:
+    return value if isinstance(value, str) and _NONCE.match(value) else None
+
+
 # Names we send are our own opaque digests; this is a second fence after kvsidecar.store.naming.
 _SAFE_FILENAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
@@ -173,14 +182,13 @@ class LlamaCppBackend:
             n_ctx=n_ctx if n_ctx is not None else (slots[0].n_ctx if slots else None),
             model_path=model_path if isinstance(model_path, str) else None,
             build_info=build_info if isinstance(build_info, str) else None,
-            instance_id=marker if isinstance(marker, str) and marker else None,
+            instance_id=_nonce(marker),
             props=props,
         )
 
     async def instance_id(self) -> str | None:
         props = await self._request("GET", "/props", what="identity /props")
-        marker = props.get("media_marker") if isinstance(props, dict) else None
-        return marker if isinstance(marker, str) and marker else None
+        return _nonce(props.get("media_marker")) if isinstance(props, dict) else None
 
     async def prefill(self, slot_id: int, prompt: str) -> int:
         """One prompt pass on a pinned slot with nothing generated (the runtime canary)."""

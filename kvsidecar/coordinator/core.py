@@ -219,12 +219,15 @@ class Coordinator:
         if ref is None:
             return
         own = ref is not slot
-        if own and (not ref.free or ref.owner is not None or ref.claimed_by is not None or srv.waiters):
+        if own and (not ref.free or ref.claimed_by is not None or srv.waiters):
             return
         if not own and ref.owner is not None:
             return
         if own:
             ref.holder = "canary"
+            # Without a fingerprint its owner could never be saved or trusted: it gives the slot up (its
+            # next request runs cold) rather than keep persistence off for the whole server.
+            self._disown_slot(ref)
         epoch = srv.epoch
         try:
             digest = await self._persist(srv, measure_canary(srv.backend, ref.id, srv.config.snapshot_dir))
@@ -246,6 +249,12 @@ class Coordinator:
             if own:
                 await self._give_back(srv, ref)
 
+    def _disown_slot(self, slot: Slot) -> None:
+        if slot.owner is not None and (rt := self._sessions.get(slot.owner)) is not None:
+            rt.saved_revision = rt.dirty_revision
+            rt.state = self._resting_state(rt)
+        slot.owner, slot.holds_aux, slot.tokens = None, False, None
+
     async def _same_runtime(self, srv: ServerRuntime, slot: Slot | None = None) -> bool:
         """The bracket of every restore and save commit: is the server provably the instance its
         fingerprint was made for? When it is not, or cannot be told, re-probe and re-fingerprint first
@@ -255,6 +264,11 @@ class Coordinator:
             if same is True:
                 return True
             forfeit = slot is not None and slot.owner is None
+            if same is None and forfeit and slot is not None and slot.id != srv.canary_slot_id:
+                # Nothing tells instances apart and the canary can only be re-measured on the reference
+                # slot: this restore cannot be proven, so it does not happen (the fingerprint stays).
+                await self._refresh(srv)
+                return False
             await self._refresh(srv, slot=slot, force=same is None and forfeit)
         else:
             await self._refresh(srv, slot=slot)
@@ -267,10 +281,7 @@ class Coordinator:
         self.metrics.server_restarts.labels(srv.name).inc()
         event(log, logging.WARNING, "kv.backend.restarted", server=srv.name, reason=reason)
         for slot in srv.slots.values():
-            if slot.owner is not None and (rt := self._sessions.get(slot.owner)) is not None:
-                rt.saved_revision = rt.dirty_revision  # unsaved progress is gone with the server
-                rt.state = self._resting_state(rt)
-            slot.owner, slot.holds_aux, slot.tokens = None, False, None
+            self._disown_slot(slot)  # unsaved progress is gone with the server
 
     def _forget_idle_sessions(self) -> None:
         """Drop sessions that hold nothing: no snapshot, no slot, no lease, no operation (item D14)."""
@@ -510,15 +521,18 @@ class Coordinator:
         self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, result: AcquireResult
     ) -> None:
         """Restore the session's snapshot into the slot, or erase the slot for a cold start (spec §23)."""
+        persist_ok = await self._same_runtime(srv, slot)
+        trial = persist_ok and srv.breaker.state is BreakerState.HALF_OPEN
+        persist_ok = persist_ok and srv.breaker.allow()
         try:
-            await self._restore_or_cold(srv, slot, rt, result)
+            await self._load_or_cold(srv, slot, rt, result, persist_ok)
         finally:
-            srv.breaker.end_trial()
+            if trial and persist_ok:  # this call held the half-open trial: it ends here, whatever happened
+                srv.breaker.end_trial()
 
-    async def _restore_or_cold(
-        self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, result: AcquireResult
+    async def _load_or_cold(
+        self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, result: AcquireResult, persist_ok: bool
     ) -> None:
-        persist_ok = await self._same_runtime(srv, slot) and srv.breaker.allow()
         fingerprint = srv.fingerprint  # the one proven for this instance just now
         if not persist_ok:
             # Invariant 5: persistence failure defaults to cold inference.
@@ -597,6 +611,13 @@ class Coordinator:
         epoch = srv.epoch
         try:
             restored = await self._persist(srv, srv.backend.restore_slot(slot.id, candidate.record.filename))
+        except asyncio.CancelledError:
+            rt.state = self._resting_state(rt)
+            raise
+        except KvError as exc:
+            await self._restore_failed(srv, slot, rt, candidate, exc, result)
+            return False
+        try:
             if restored.tokens != candidate.record.tokens:
                 raise RestoreFailed(
                     f"server restored {restored.tokens} tokens, the snapshot has {candidate.record.tokens}"
@@ -653,7 +674,8 @@ class Coordinator:
           offered to this fingerprint again, and the runtime is re-fingerprinted (what did we miss?);
         - the server died under the restore: not offered again by this daemon (no crash loop), kept on disk;
         - unreachable, unsupported, timeout: nothing is known about the file; it stays as it was."""
-        self._breaker_failure(srv, exc)
+        if not isinstance(exc, RestoreFailed):  # a refusal of one file says nothing about the server
+            self._breaker_failure(srv, exc)
         self.stats.restore_failures += 1
         self.metrics.restore_failure.labels(srv.name, exc.code).inc()
         if srv.fingerprint is not None and (isinstance(exc, RestoreFailed | ConnectionLost)):
@@ -738,6 +760,7 @@ class Coordinator:
         """
         if not rt.dirty:
             return True
+        trial = srv.breaker.state is BreakerState.HALF_OPEN
         if srv.fingerprint is None or not srv.available or not srv.breaker.allow():
             self.stats.save_failures += 1
             self.metrics.save_failure.labels(srv.name, "KV_BACKEND_UNAVAILABLE").inc()
@@ -746,7 +769,8 @@ class Coordinator:
             with self._busy(rt.key):
                 return await self._save_now(srv, slot, rt, trigger=trigger, actions=actions)
         finally:
-            srv.breaker.end_trial()
+            if trial:  # this call held the half-open trial
+                srv.breaker.end_trial()
 
     async def _save_now(
         self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, *, trigger: str, actions: list[str] | None
@@ -770,7 +794,7 @@ class Coordinator:
             rt.state = previous_state
             self.metrics.save_failure.labels(srv.name, "KV_SERVER_RESTARTED").inc()
             return False
-        plan = await asyncio.to_thread(self.store.begin_save, rt.identity)
+        plan = await asyncio.to_thread(self.store.begin_save, rt.identity, fingerprint=fingerprint)
         try:
             saved = await self._persist(srv, srv.backend.save_slot(slot.id, plan.filename))
             self._check_saved(saved.tokens)
@@ -805,6 +829,10 @@ class Coordinator:
             if self.config.failure.strict:
                 raise
             return False
+        except BaseException:  # cancelled: no half-written file left behind, no session stuck in SAVING
+            self.store.abort_save(plan, discard=True)
+            rt.state = previous_state
+            raise
         if srv.breaker.success():
             event(log, logging.INFO, "kv.persistence.circuit_recovered", server=srv.name)
         ms = (self.monotonic() - started) * 1000

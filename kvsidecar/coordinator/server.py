@@ -260,17 +260,23 @@ def _restart_reason(
     old_process: ProcessInfo | None,
     process: ProcessInfo | None,
 ) -> tuple[bool, str | None]:
-    """Did the server restart since the last probe, and what shows it."""
+    """Did the server restart since the last probe, and what shows it. Identity evidence (process, nonce)
+    decides when there is some: a slow answer that made the server look unreachable is not a restart."""
     if old_caps is None:
         return False, None
-    if old_process is not None and process is not None and old_process.identity != process.identity:
-        return True, "process changed"
-    if old_caps.instance_id != caps.instance_id:
-        return True, "instance nonce changed"
+    same_evidence = False
+    if old_process is not None and process is not None:
+        if old_process.identity != process.identity:
+            return True, "process changed"
+        same_evidence = True
+    if old_caps.instance_id is not None or caps.instance_id is not None:
+        if old_caps.instance_id != caps.instance_id:
+            return True, "instance nonce changed"
+        same_evidence = True
     if caps.model_path != old_caps.model_path:
         return True, "model changed"
     if old_process is not None and process is None:
         return True, "local process gone"
-    if not was_available:
+    if not was_available and not same_evidence:
         return True, "was unreachable"
     return False, None

@@ -160,3 +160,52 @@ async def test_sessions_with_nothing_are_forgotten(h: Harness) -> None:
 
 def _files(h: Harness) -> list[str]:
     return sorted(p.name for p in h.fake.snapshot_dir.iterdir())
+
+
+def test_a_pinned_or_constant_media_marker_is_not_a_nonce() -> None:
+    from kvsidecar.backend.llamacpp import _nonce
+
+    assert _nonce("<__media_swaS1kRM1vCvsZgUWSP5bZZmNxfTTpzg__>") is not None  # a real per-start marker
+    for pinned in ("<__media__>", "", "<__media_x__>", "media", None, 7):
+        assert _nonce(pinned) is None
+
+
+MANAGED = {"local": {"mode": "managed-slots"}}
+
+
+async def test_no_identity_managed_server_keeps_its_fingerprint(tmp_path: Path) -> None:
+    """Review finding: a forced re-fingerprint on a slot other than the canary's threw the whole server's
+    fingerprint away. Now that one restore goes cold and every other session still saves."""
+    h = await start_harness(tmp_path, total_slots=2, servers=MANAGED)
+    try:
+        h.fake.nonce = None
+        h.fake.restart()
+        srv = h.coordinator.servers["local"]
+        await h.coordinator._refresh(srv)
+        for s in ("A", "B", "C"):  # C evicts A (least recently used): A saved
+            await h.turn(s)
+        assert srv.fingerprint is not None
+        for s in ("A", "B", "C", "A"):
+            await h.turn(s)
+        assert srv.fingerprint is not None
+        assert h.coordinator.stats.saves >= 3
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_pending_canary_takes_the_reference_slot_from_its_owner(tmp_path: Path) -> None:
+    """Review finding: with the reference slot owned and the canary pending, persistence stayed off."""
+    h = await start_harness(tmp_path, total_slots=2, servers=MANAGED)
+    try:
+        srv = h.coordinator.servers["local"]
+        await h.turn("A")
+        await h.turn("B")  # both slots owned
+        ref = srv.slots[srv.canary_slot_id]
+        assert ref.owner is not None
+        srv.canary = None
+        srv._compose()
+        assert srv.fingerprint is None
+        await h.coordinator._refresh(srv)  # what the probe loop does
+        assert srv.fingerprint is not None and ref.owner is None
+    finally:
+        await h.coordinator.aclose()
