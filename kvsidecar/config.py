@@ -217,6 +217,13 @@ class Config(_Model):
             raise ValueError(
                 f"proxy.server: unknown server {self.proxy.server!r} (known: {sorted(self.servers)})"
             )
+        chosen = self.proxy.provider
+        if self.proxy.enabled and chosen is not None and self.routes.get(chosen) != self.proxy.server:
+            # its leases would name slots of another server than the one the proxy forwards to
+            raise ValueError(
+                f"proxy.provider: {chosen!r} must be routed to proxy.server {self.proxy.server!r} "
+                f"(routes.{chosen}: {self.routes.get(chosen)!r})"
+            )
         if (
             self.proxy.enabled
             and self.servers[self.proxy.server].api_key_file is not None

@@ -794,8 +794,9 @@ class Coordinator:
             rt.state = previous_state
             self.metrics.save_failure.labels(srv.name, "KV_SERVER_RESTARTED").inc()
             return False
-        plan = await asyncio.to_thread(self.store.begin_save, rt.identity, fingerprint=fingerprint)
+        plan = None
         try:
+            plan = await asyncio.to_thread(self.store.begin_save, rt.identity, fingerprint=fingerprint)
             saved = await self._persist(srv, srv.backend.save_slot(slot.id, plan.filename))
             self._check_saved(saved.tokens)
             # The closing bracket: a file written by another instance is not this session's KV.
@@ -810,7 +811,8 @@ class Coordinator:
                 session_seq=rt.seq,
             )
         except KvError as exc:
-            self.store.abort_save(plan, discard=True)
+            if plan is not None:
+                self.store.abort_save(plan, discard=True)
             if self.after_save is not None:  # a full disk is a reason to run retention now
                 self.after_save()
             self._breaker_failure(srv, exc)
@@ -830,7 +832,8 @@ class Coordinator:
                 raise
             return False
         except BaseException:  # cancelled: no half-written file left behind, no session stuck in SAVING
-            self.store.abort_save(plan, discard=True)
+            if plan is not None:
+                self.store.abort_save(plan, discard=True)
             rt.state = previous_state
             raise
         if srv.breaker.success():

@@ -31,9 +31,9 @@ class LimitedDaemon(DaemonProcess):
 
     def start(self, *, timeout_s: float = 30.0) -> LimitedDaemon:
         self._log = self.log_path.open("ab")
+        limited = ["prlimit", f"--nofile={NOFILE}:{NOFILE}", "--", sys.executable, "-m", "kvsidecar"]
         self.proc = subprocess.Popen(
-            ["prlimit", f"--nofile={NOFILE}:{NOFILE}", "--", sys.executable, "-m", "kvsidecar"]
-            + ["-c", str(self.config_path), "serve"],
+            [*limited, "-c", str(self.config_path), "serve"],
             stdout=self._log,
             stderr=self._log,
         )

@@ -124,7 +124,9 @@ async def test_same_runtime_restart_in_the_window_restores_and_matches_cold(
         await h.coordinator.aclose()
 
 
-async def test_dirty_owner_is_not_saved_from_the_emptied_slot(start_llama: StartServer, tmp_path: Path) -> None:
+async def test_dirty_owner_is_not_saved_from_the_emptied_slot(
+    start_llama: StartServer, tmp_path: Path
+) -> None:
     server = start_llama()
     h = await real_harness(server, tmp_path)
     try:

@@ -33,7 +33,7 @@ def assert_still_restores(store: SnapshotStore, gen: str, tokens: int) -> None:
     cand, _ = store.find_restorable(ID, FP)
     assert cand is not None and cand.generation == gen and cand.record.tokens == tokens
     on_disk = read_manifest(store.manifests_dir / f"{ID.key}.json")
-    assert gen in on_disk.generations and on_disk.generations[gen].valid  # type: ignore[index]
+    assert gen in on_disk.generations and on_disk.generations[gen].valid
 
 
 def test_failed_save_after_a_fallback_restore_keeps_the_good_generation(tmp_path: Path) -> None:

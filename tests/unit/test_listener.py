@@ -6,6 +6,7 @@ The daemon-level check with a low descriptor limit is tests/integration/test_lim
 from __future__ import annotations
 
 import asyncio
+import resource
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -14,10 +15,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvsidecar import service
 from kvsidecar.api import create_app
+from kvsidecar.errors import ConfigError
 from kvsidecar.listener import Limits, ListenerState
 from kvsidecar.service import _uvicorn
-from tests.unit.coordinator_helpers import Harness, start_harness
+from kvsidecar.units import UNITS, UnitParams, render
+from tests.unit.coordinator_helpers import Harness, make_config, start_harness
 from tests.unit.origin import Origin, OriginConn
 from tests.unit.rawhttp import closed_by_peer, open_socket, read_until_closed
 from tests.unit.test_proxy import AUTH, rig
@@ -158,3 +162,30 @@ async def test_proxy_client_that_stops_reading_is_cut_and_its_lease_released(tmp
             assert each.h.coordinator.status()["stats"]["leases_expired"] == 0  # cut, not expired
         finally:
             s.close()
+
+
+def test_units_raise_the_descriptor_limit() -> None:
+    for name in UNITS:
+        assert "\nLimitNOFILE=65536\n" in render(name, UnitParams())
+
+
+def test_caps_must_fit_the_descriptor_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    limits = {"soft": 1024, "hard": 4096}
+
+    def getrlimit(_: int) -> tuple[int, int]:
+        return limits["soft"], limits["hard"]
+
+    def setrlimit(_: int, value: tuple[int, int]) -> None:
+        limits["soft"] = value[0]
+
+    monkeypatch.setattr(resource, "getrlimit", getrlimit)
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    fits = make_config(
+        tmp_path, api={"max_connections": 1000}, proxy={"enabled": True, "max_connections": 1000}
+    )
+    assert service.ensure_fd_budget(fits) == 4096  # raised as far as the hard limit allows
+    limits["soft"] = 1024
+    too_many = make_config(tmp_path, proxy={"enabled": True, "max_connections": 5000})
+    with pytest.raises(ConfigError) as caught:
+        service.ensure_fd_budget(too_many)
+    assert caught.value.message.startswith("api.max_connections: the listeners may hold 10384")

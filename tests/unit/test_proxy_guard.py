@@ -325,3 +325,19 @@ async def test_session_request_with_its_own_id_slot_is_pinned_to_its_lease(tmp_p
         body = b'{"prompt": "b", "id_slot": %d, "cache_prompt": false}' % own
         b = (await _post(each, "/completion", body, session="B")).json()["seen"]
         assert b["id_slot"] == 1 - own and b["cache_prompt"] is True
+
+
+def test_proxy_provider_must_route_to_the_proxied_server(tmp_path: Path) -> None:
+    """Else its leases would name slots of another server than the one requests go to."""
+    data: dict[str, Any] = {
+        "state_dir": str(tmp_path / "state"),
+        "servers": {"a": {"snapshot_dir": str(tmp_path / "a")}, "b": {"snapshot_dir": str(tmp_path / "b")}},
+        "routes": {"pa": "a", "pb": "b"},
+        "proxy": {"enabled": True, "server": "a", "provider": "pb"},
+    }
+    with pytest.raises(ConfigError) as caught:
+        config_from_mapping(data)
+    assert caught.value.message.startswith("proxy.provider: 'pb' must be routed to proxy.server 'a'")
+    assert (
+        config_from_mapping({**data, "proxy": {**data["proxy"], "provider": "pa"}}).proxy_provider() == "pa"
+    )

@@ -38,9 +38,12 @@ class Clock:
         return self.t
 
 
-def make_store(tmp_path: Path, **kw: object) -> SnapshotStore:
+def make_store(tmp_path: Path, *, verify_checksum: bool = True) -> SnapshotStore:
     store = SnapshotStore(
-        state_dir=tmp_path / "state", snapshot_dirs={"local": tmp_path / "snaps"}, clock=Clock(), **kw
+        state_dir=tmp_path / "state",
+        snapshot_dirs={"local": tmp_path / "snaps"},
+        clock=Clock(),
+        verify_checksum=verify_checksum,
     )
     store.open()
     return store
