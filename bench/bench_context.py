@@ -106,7 +106,7 @@ async def with_kvsidecar(server: LlamaServer, work: Path, prompt_a: str, prompt_
         out["tokens"] = int(t["prompt_n"]) + int(t["cache_n"])
         for label, cold_cache in (("warm", False), ("dropped", True)):
             await turn("B", prompt_b)  # saves A (first time), takes the slot
-            manifest = c.store.get(next(iter(c._by_session["A"])))
+            manifest = c.store.get(next(iter(c.sessions.by_session_id["A"])))
             assert manifest is not None and manifest.current is not None
             # the generation the restore will read
             snap = server.slot_save_path / manifest.generations[manifest.current].filename  # type: ignore[operator]

@@ -1,7 +1,8 @@
 """The `kvsidecar` command: a thin adapter over the service, the client, the store and the doctor.
 
 Exit codes: 0 success (doctor: READY); 1 the operation failed (doctor: NOT READY); 2 bad usage or
-configuration; 3 the daemon is not reachable; 4 doctor says DEGRADED.
+configuration, or (serve) another daemon holds the state directory; 3 the daemon is not reachable;
+4 doctor says DEGRADED.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from kvsidecar.errors import KvError
 from kvsidecar.logs import configure
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_DEGRADED = 0, 1, 2, 3, 4
+# Errors that mean "this cannot start as configured", not "the operation failed".
+USAGE_CODES = frozenset({"KV_CONFIG_INVALID", "KV_STATE_LOCKED"})
 
 
 class Unreachable(Exception):
@@ -116,6 +119,8 @@ def cmd_wait_ready(args: argparse.Namespace) -> int:
 
 def cmd_config_check(args: argparse.Namespace) -> int:
     config = _load(args)
+    for note in config.deprecations():
+        print(f"kvsidecar: warning: {note}", file=sys.stderr)
     print(json.dumps(config.model_dump(mode="json"), indent=2) if args.json else "config OK")
     return EXIT_OK
 
@@ -154,24 +159,18 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _offline_sessions(config: Config) -> list[dict[str, Any]]:
+    """What the daemon would list, read from the state directory of a daemon that is not running."""
+    from kvsidecar.coordinator.views import session_view
     from kvsidecar.store.snapshots import SnapshotStore
 
     store = SnapshotStore(
         state_dir=config.state_dir, snapshot_dirs={n: s.snapshot_dir for n, s in config.servers.items()}
     )
     store.load_readonly()
-    return [
-        {
-            "session": m.identity.short,
-            "provider": m.provider,
-            "model": m.model,
-            "server": m.server,
-            "state": "saved" if m.has_valid else "invalid",
-            "resident_slot": None,
-            "snapshot": {"current": m.current, "bytes": m.total_bytes, "updated_at": m.updated_at},
-        }
-        for m in sorted(store.all(), key=lambda m: m.updated_at)
-    ]
+    views = (
+        session_view(m, None, None, full_id=False) for m in sorted(store.all(), key=lambda m: m.updated_at)
+    )
+    return [v for v in views if v is not None]
 
 
 def _render_sessions(views: list[dict[str, Any]]) -> str:
@@ -373,8 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvsidecar",
         description="KV-cache persistence daemon for llama-server.",
-        epilog="Exit codes: 0 ok (READY), 1 failed (NOT READY), 2 usage/config error, 3 daemon unreachable, "
-        "4 DEGRADED.",
+        epilog="Exit codes: 0 ok (READY), 1 failed (NOT READY), 2 usage/config error or state_dir locked, "
+        "3 daemon unreachable, 4 DEGRADED.",
     )
     parser.add_argument("--version", action="version", version=f"kvsidecar {__version__}")
     parser.add_argument(
@@ -458,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvsidecar: {exc.code}: {exc.message}", file=sys.stderr)
         if exc.hint:
             print(f"  hint: {exc.hint}", file=sys.stderr)
-        return EXIT_USAGE if exc.code == "KV_CONFIG_INVALID" else EXIT_FAILED
+        return EXIT_USAGE if exc.code in USAGE_CODES else EXIT_FAILED
     except Unreachable as exc:
         print(f"kvsidecar: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE

@@ -15,35 +15,40 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
 
 from kvsidecar.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = Path("/etc/kvsidecar/config.yaml")
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "KI": 2**10,
-    "MI": 2**20,
-    "GI": 2**30,
-    "TI": 2**40,
-}
+# The spellings a size may take: a number and an optional unit, K/M/G/T/P/E (powers of 1000) or
+# Ki/Mi/Gi/Ti/Pi/Ei (powers of 1024), with or without a trailing B, any case, spaces allowed around the unit.
+# pydantic's ByteSize does the arithmetic; this pattern is stricter than its own, which takes the leading
+# number of "1.5.3GB" or "5.GB", any Unicode digit, and bit units ("1Gbit").
+_SIZE = re.compile(r"\A\s*(\d+(?:\.\d+)?)\s*(?:([KMGTPE])(I)?B?|B)?\s*\Z", re.IGNORECASE | re.ASCII)
 
 
-def parse_bytes(value: object) -> object:
-    """Accept 123, "100GB", "1.5GiB", "512M"; leave anything else for pydantic to reject."""
+def size_spelling(value: object) -> object:
+    """Accept 123, "100GB", "1.5GiB", "512M", "512Mi"; hand ByteSize its own spelling of them."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"not a size: {value!r} (a whole number of bytes, or e.g. 100GB)")
+    if isinstance(value, int | float) and value < 0:
+        raise ValueError(f"not a size: {value!r} (sizes are never negative)")
     if isinstance(value, str):
-        m = _SIZE_RE.match(value)
+        m = _SIZE.match(value)
         if not m:
             raise ValueError(f"not a size: {value!r} (use e.g. 100GB, 512MiB or a number of bytes)")
-        unit = (m.group(2) or "").upper().removesuffix("B")
-        return int(float(m.group(1)) * _UNITS[unit])
+        number, prefix, binary = m.groups()
+        return f"{number}{prefix or ''}{'i' if binary else ''}B"
     return value
 
 
@@ -53,7 +58,7 @@ def expand_path(value: object) -> object:
     return value
 
 
-Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
+Bytes = Annotated[ByteSize, BeforeValidator(size_spelling), Field(ge=0)]
 PathValue = Annotated[Path, BeforeValidator(expand_path)]
 
 
@@ -108,7 +113,6 @@ class CheckpointConfig(_Model):
 
 class RestoreConfig(_Model):
     enabled: bool = True
-    verify: bool = True
     verify_checksum: bool = True
     # A restore after which the engine reused less than this share of the restored tokens is "ineffective".
     min_reuse_ratio: float = Field(default=0.5, ge=0, le=1)
@@ -166,7 +170,7 @@ class ApiConfig(_Listener):
     unix_socket: PathValue | None = None
     token_file: PathValue | None = None
     allow_public_bind: bool = False
-    max_body_bytes: Bytes = 64 * 1024
+    max_body_bytes: Bytes = ByteSize(64 * 1024)
     lease_ttl_s: float = Field(default=600.0, gt=0)
 
 
@@ -179,7 +183,7 @@ class ProxyConfig(_Listener):
     provider: str | None = None  # provider name used for acquire (default: the first routed to `server`)
     session_header: str = "X-Session-Id"
     session_field: str | None = None  # or a body field, e.g. "user" or "prompt_cache_key"
-    max_body_bytes: Bytes = 32 * 1024 * 1024
+    max_body_bytes: Bytes = ByteSize(32 * 2**20)
     body_timeout_s: float = Field(default=120.0, gt=0)  # bodies here run to megabytes
     upstream_timeout_s: float = Field(default=600.0, gt=0)
 
@@ -195,7 +199,6 @@ class Config(_Model):
     # provider -> server name. Providers not listed here pass through untouched (spec §37).
     routes: dict[str, str] = Field(default_factory=lambda: {"local": "local"})
     state_dir: PathValue = Path("~/.local/state/kvsidecar/state").expanduser()
-    auxiliary_requests: Literal["isolate"] = "isolate"
     checkpoint: CheckpointConfig = CheckpointConfig()
     restore: RestoreConfig = RestoreConfig()
     failure: FailureConfig = FailureConfig()
@@ -203,6 +206,8 @@ class Config(_Model):
     api: ApiConfig = ApiConfig()
     proxy: ProxyConfig = ProxyConfig()
     logging: LoggingConfig = LoggingConfig()
+    # Removed keys the file still set (see REMOVED_KEYS): not a field, so never dumped as a setting.
+    _ignored: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="after")
     def _routes(self) -> Config:
@@ -247,6 +252,40 @@ class Config(_Model):
     def server_for(self, provider: str) -> str | None:
         return self.routes.get(provider)
 
+    @property
+    def ignored_keys(self) -> tuple[str, ...]:
+        """Removed keys (REMOVED_KEYS) the config file still sets."""
+        return self._ignored
+
+    def deprecations(self) -> list[str]:
+        """One line per removed key the config file still sets (logged at startup and reload)."""
+        return [
+            f"{key} is no longer a setting and is ignored ({REMOVED_KEYS[key]}); remove it from the file"
+            for key in self._ignored
+        ]
+
+
+# Keys that were once accepted and no longer mean anything. A file that still sets one loads (the shipped
+# config.yaml had `restore.verify: true`, so an upgrade must not stop the daemon), with a warning naming it;
+# any other unknown key is an error.
+REMOVED_KEYS: dict[str, str] = {
+    "restore.verify": "it was never read; the engine's reuse is checked after every restore, against "
+    "restore.min_reuse_ratio",
+    "auxiliary_requests": "requests without a session id are always isolated; it had no other value",
+}
+
+
+def _strip_removed(data: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    out, found = dict(data), []
+    for key in REMOVED_KEYS:
+        section, _, leaf = key.rpartition(".")
+        parent = out.get(section) if section else out
+        if isinstance(parent, dict) and leaf in parent:
+            parent = {k: v for k, v in parent.items() if k != leaf}
+            out = {**out, section: parent} if section else parent
+            found.append(key)
+    return out, tuple(found)
+
 
 def _format_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
@@ -259,10 +298,13 @@ def _format_error(exc: ValidationError) -> str:
 
 
 def config_from_mapping(data: dict[str, Any]) -> Config:
+    data, ignored = _strip_removed(data)
     try:
-        return Config.model_validate(data)
+        config = Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_error(exc), hint="Fix the key named above in the config file.") from None
+    config._ignored = ignored
+    return config
 
 
 def load_config(path: Path | str | None = None, *, env: dict[str, str] | None = None) -> Config:

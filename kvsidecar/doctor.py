@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
 import psutil
 
 from kvsidecar.backend.base import BackendCapabilities, BackendSlot, KvBackend
@@ -304,42 +303,30 @@ class Doctor:
             report.add("disk", "OK", detail)
 
     async def _deep(self, report: DoctorReport) -> None:
-        """Spec §61: cold prompt, save, erase, restore, identical prompt, confirm reuse from cache_n."""
+        """Spec §61: cold prompt, save, erase, restore, identical prompt, confirm reuse from cache_n.
+
+        Every call goes through the backend, so it carries llama-server's API key when one is configured."""
+        prompt = " ".join(f"doctor{i} probe" for i in range(150))
 
         async def run(slot_id: int) -> tuple[int, int, int]:
             name = f"kvsidecar-doctor-{secrets.token_hex(6)}.bin"
-            prompt = " ".join(f"doctor{i} probe" for i in range(150))
-            async with httpx.AsyncClient(base_url=self.server.base_url, timeout=300) as http:
-
-                async def complete() -> dict[str, Any]:
-                    body = {
-                        "prompt": prompt,
-                        "n_predict": 1,
-                        "cache_prompt": True,
-                        "id_slot": slot_id,
-                        "temperature": 0,
-                    }
-                    r = await http.post("/completion", json=body)
-                    r.raise_for_status()
-                    return dict(r.json()["timings"])
-
+            await self.backend.erase_slot(slot_id)
+            await self.backend.run_prompt(slot_id, prompt, n_predict=1)
+            saved = await self.backend.save_slot(slot_id, name)
+            try:
                 await self.backend.erase_slot(slot_id)
-                await complete()
-                saved = await self.backend.save_slot(slot_id, name)
-                try:
-                    await self.backend.erase_slot(slot_id)
-                    await self.backend.restore_slot(slot_id, name)
-                    again = await complete()
-                finally:
-                    with contextlib.suppress(OSError):
-                        (self.server.snapshot_dir / name).unlink()
-                return saved.tokens, int(again.get("cache_n", 0)), int(again.get("prompt_n", 0))
+                await self.backend.restore_slot(slot_id, name)
+                again = await self.backend.run_prompt(slot_id, prompt, n_predict=1)
+            finally:
+                with contextlib.suppress(OSError):
+                    (self.server.snapshot_dir / name).unlink()
+            return saved.tokens, again.reused, again.computed
 
         try:
             saved, reused, computed = await (
                 self.hold_slot(run) if self.hold_slot else run(self.server.slot_id)
             )
-        except (KvError, httpx.HTTPError) as exc:
+        except KvError as exc:
             report.add("restore reuse (deep)", "FAIL", f"the round trip failed: {exc}")
             return
         if saved and reused >= 0.9 * (saved - 2):

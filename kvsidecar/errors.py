@@ -22,12 +22,16 @@
     │   ├── LeaseNotFound           KV_LEASE_NOT_FOUND
     │   ├── Unauthorized            KV_UNAUTHORIZED
     │   ├── PayloadTooLarge         KV_PAYLOAD_TOO_LARGE
+    │   ├── NotFound                KV_NOT_FOUND             no such route, session
+    │   ├── MethodNotAllowed        KV_METHOD_NOT_ALLOWED    a route that does not take this method
     │   ├── ProxyForbidden          KV_PROXY_FORBIDDEN       a route the proxy does not forward
     │   └── RequestTimeout          KV_REQUEST_TIMEOUT       a request head not complete in time
     ├── TooManyConnections          KV_TOO_MANY_CONNECTIONS  a listener at max_connections, all busy
     ├── SlotBusy                    KV_SLOT_BUSY
+    ├── ShuttingDown                KV_SHUTTING_DOWN         SIGTERM while a request waited
     ├── SlotStateInvalid            KV_SLOT_STATE_INVALID
     ├── ConfigError                 KV_CONFIG_INVALID
+    ├── StateLocked                 KV_STATE_LOCKED          another daemon holds the state_dir
     └── InvariantViolation          KV_INVARIANT
 
 `HTTP_STATUS` is the only place that maps a code to an HTTP status.
@@ -162,6 +166,10 @@ class NotFound(RequestError):
     code = "KV_NOT_FOUND"
 
 
+class MethodNotAllowed(RequestError):
+    code = "KV_METHOD_NOT_ALLOWED"
+
+
 class ProxyForbidden(RequestError):
     """A request the proxy refuses to forward: slot management, server settings, or a route llama-server
     would run on a slot kvsidecar cannot choose."""
@@ -188,12 +196,24 @@ class SlotBusy(KvError):
     default_hint = "All slots are leased; retry after Retry-After seconds."
 
 
+class ShuttingDown(KvError):
+    code = "KV_SHUTTING_DOWN"
+    default_hint = "kvsidecar is stopping; retry after Retry-After seconds (a restarted daemon restores)."
+
+
 class SlotStateInvalid(KvError):
     code = "KV_SLOT_STATE_INVALID"
 
 
 class ConfigError(KvError):
     code = "KV_CONFIG_INVALID"
+
+
+class StateLocked(KvError):
+    """Another daemon holds the state directory's lock (or its lock file cannot be used)."""
+
+    code = "KV_STATE_LOCKED"
+    default_hint = "Stop the other daemon first, or give this one another state_dir."
 
 
 class InvariantViolation(KvError):
@@ -219,12 +239,15 @@ HTTP_STATUS: dict[str, int] = {
     Unauthorized.code: 401,
     PayloadTooLarge.code: 413,
     NotFound.code: 404,
+    MethodNotAllowed.code: 405,
     ProxyForbidden.code: 403,
     RequestTimeout.code: 408,
     TooManyConnections.code: 503,
     SlotBusy.code: 503,
+    ShuttingDown.code: 503,
     SlotStateInvalid.code: 409,
     ConfigError.code: 500,
+    StateLocked.code: 503,
     InvariantViolation.code: 500,
 }
 

@@ -47,13 +47,27 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+def formatter(fmt: str) -> logging.Formatter:
+    if fmt == "json":
+        return JsonFormatter()
+    return logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def configure(level: str = "info", fmt: str = "text") -> None:
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.set_name(ROOT)  # how reconfigure() finds it
+    handler.setFormatter(formatter(fmt))
     root = logging.getLogger(ROOT)
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+
+
+def reconfigure(level: str, fmt: str) -> None:
+    """A live change (SIGHUP): the level, and the format of the handler configure() installed. Handlers
+    that an embedding application added itself keep their own format."""
+    root = logging.getLogger(ROOT)
+    root.setLevel(level.upper())
+    for handler in root.handlers:
+        if handler.get_name() == ROOT:
+            handler.setFormatter(formatter(fmt))

@@ -1,10 +1,12 @@
 """Proxy mode: llama-server's own HTTP API on a second listener, with session-pinned KV persistence.
 
-Only an allowlist of llama-server's routes is forwarded (`ROUTES`), matched on the path as llama-server's
-HTTP library (cpp-httplib) will see it: percent escapes decoded (`%XX` and `%uXXXX`), compared literally
-and case-sensitively, and forwarded under its canonical spelling, so what llama-server routes is exactly
-what was checked. Slot management (`/slots...`), settings (`POST /props`, `POST /lora-adapters`), the
-router's model management, stream replay, tools and anything unknown get 403 `KV_PROXY_FORBIDDEN`:
+Only an allowlist of llama-server's routes is forwarded (`kvsidecar.backend.llama_http.ROUTES`: all of
+kvsidecar's knowledge of llama-server's routes, slot pinning and API key lives there), matched on the path
+as llama-server's HTTP library (cpp-httplib) will see it: percent escapes decoded (`%XX` and `%uXXXX`),
+compared literally and case-sensitively, and forwarded under its canonical spelling, so what llama-server
+routes is exactly what was checked. Slot management (`/slots...`), settings (`POST /props`,
+`POST /lora-adapters`), the router's model management, stream replay, tools and anything unknown get 403
+`KV_PROXY_FORBIDDEN`:
 kvsidecar is the only client of slot actions.
 
 Every forwarded route that runs on a slot goes through the coordinator, so nothing the proxy forwards
@@ -28,18 +30,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import re
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
 from starlette.types import Receive, Scope, Send
 
-from kvsidecar.api import ClientGone, error_response, read_body, refuse
+from kvsidecar.backend.llama_http import (
+    PUBLIC_PATHS,
+    SLOT_HEADERS,
+    RouteKind,
+    check_one_completion,
+    classify,
+    find_timings,
+    json_object,
+    pin,
+    read_api_key,
+    token_counts,
+)
 from kvsidecar.config import Config
 from kvsidecar.coordinator.core import AcquireResult, Coordinator
 from kvsidecar.errors import (
@@ -52,6 +62,7 @@ from kvsidecar.errors import (
 )
 from kvsidecar.listener import Limits, ListenerState
 from kvsidecar.logs import event
+from kvsidecar.router import ClientGone, error_response, read_body, refuse
 from kvsidecar.store.naming import validate_session_id
 from kvsidecar.upstream import Response, Upstream, UpstreamError
 
@@ -59,109 +70,27 @@ log = logging.getLogger("kvsidecar.proxy")
 T = TypeVar("T")
 
 
-class Route(Enum):
-    INFO = "info"  # runs on no slot: forwarded as it is
-    PINNED = "pinned"  # runs on the slot the JSON body's `id_slot` names
-    UNPINNED = "unpinned"  # runs on a slot llama-server picks itself (it ignores `id_slot`)
-
-
-_READ = frozenset({"GET", "HEAD"})
-_POST = frozenset({"POST"})
-
-# llama-server's routes (tools/server/server.cpp) that the proxy forwards, and how. Everything else is
-# refused: /slots (GET leaks other sessions' prompts; POST saves, restores, erases), POST /props,
-# /lora-adapters, /metrics, /models/load|unload, /v1/stream*, /v1/chat/completions/control, /cors-proxy,
-# /tools, the web UI, and the Vertex AI predict route (which dispatches to any route, /slots included).
-ROUTES: dict[str, tuple[frozenset[str], Route]] = {
-    **dict.fromkeys(("/health", "/v1/health", "/props", "/models", "/v1/models"), (_READ, Route.INFO)),
-    **dict.fromkeys(
-        (
-            "/tokenize",
-            "/detokenize",
-            "/apply-template",
-            "/chat/completions/input_tokens",
-            "/v1/chat/completions/input_tokens",
-            "/responses/input_tokens",
-            "/v1/responses/input_tokens",
-            "/v1/messages/count_tokens",
-        ),
-        (_POST, Route.INFO),
-    ),
-    **dict.fromkeys(
-        (
-            "/completion",
-            "/completions",
-            "/v1/completions",
-            "/chat/completions",
-            "/v1/chat/completions",
-            "/infill",
-            "/responses",
-            "/v1/responses",
-        ),
-        (_POST, Route.PINNED),
-    ),
-    **dict.fromkeys(
-        (
-            "/v1/messages",  # converted to a chat completion without the client's id_slot
-            "/embedding",
-            "/embeddings",
-            "/v1/embeddings",
-            "/rerank",
-            "/reranking",
-            "/v1/rerank",
-            "/v1/reranking",
-            "/audio/transcriptions",  # multipart: every form field is a string, so id_slot never applies
-            "/v1/audio/transcriptions",
-            "/v1/systemone",
-        ),
-        (_POST, Route.UNPINNED),
-    ),
-}
-PUBLIC_PATHS = frozenset({"/health", "/v1/health"})  # llama-server's own liveness probes, no token
-HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"te",
-        b"trailers",
-        b"transfer-encoding",
-        b"upgrade",
-        b"host",
-        b"content-length",
-        b"expect",
-        # llama-server keeps generating for a request that carries it after its client left (stream
-        # replay): the lease would end while the slot is still busy.
-        b"x-conversation-id",
-    }
-)
+HOP_BY_HOP = (
+    frozenset(
+        {
+            b"connection",
+            b"keep-alive",
+            b"proxy-authenticate",
+            b"proxy-authorization",
+            b"te",
+            b"trailers",
+            b"transfer-encoding",
+            b"upgrade",
+            b"host",
+            b"content-length",
+            b"expect",
+        }
+    )
+    | SLOT_HEADERS
+)  # what would change llama-server's use of the slot behind the lease's back
 RENEW_EVERY_S = 10.0
-_OBJECT_START = re.compile(rb"[ \t\r\n]*\{")  # JSON whitespace, then an object in UTF-8
 _TAIL_BYTES = 256 * 1024
-_ESCAPE = re.compile(rb"%(?:u([0-9A-Fa-f]{4})|([0-9A-Fa-f]{2}))")
 AUX_PURPOSE = "proxy"
-
-
-def llama_path(raw: bytes) -> str:
-    """The request path as cpp-httplib decodes it before routing: `%XX` and `%uXXXX` escapes, once."""
-
-    def decode(m: re.Match[bytes]) -> bytes:
-        if m.group(1) is not None:
-            return chr(int(m.group(1), 16)).encode("utf-8", "surrogatepass")
-        return bytes([int(m.group(2), 16)])
-
-    return _ESCAPE.sub(decode, raw).decode("latin-1")
-
-
-def classify(scope: Scope) -> tuple[str, Route] | None:
-    """(canonical path, route kind) for a request the proxy forwards; None for one it refuses."""
-    raw = scope.get("raw_path") or scope["path"].encode("utf-8")
-    path = llama_path(raw)
-    entry = ROUTES.get(path)
-    if entry is None or scope["method"] not in entry[0]:
-        return None
-    return path, entry[1]
 
 
 class _Tail:
@@ -179,22 +108,8 @@ class _Tail:
 
     def timings(self) -> dict[str, Any] | None:
         if self.parsed is None:
-            self.parsed = (self._parse(),)
+            self.parsed = (find_timings(self.buf.decode("utf-8", errors="replace")),)
         return self.parsed[0]
-
-    def _parse(self) -> dict[str, Any] | None:
-        text = self.buf.decode("utf-8", errors="replace")
-        with contextlib.suppress(ValueError):
-            whole = json.loads(text)
-            if isinstance(whole, dict) and isinstance(whole.get("timings"), dict):
-                return dict(whole["timings"])
-        for line in reversed(text.splitlines()):
-            if '"timings"' in line:
-                with contextlib.suppress(ValueError):
-                    data = json.loads(line.removeprefix("data:").strip())
-                    if isinstance(data, dict) and isinstance(data.get("timings"), dict):
-                        return dict(data["timings"])
-        return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,7 +117,7 @@ class _Call:
     """One request to a slot-running route, read and checked."""
 
     path: str
-    route: Route
+    route: RouteKind
     session: str | None
     data: dict[str, Any] | None  # the body as a JSON object, when it is one (always for PINNED)
     body: bytes
@@ -238,7 +153,8 @@ class Proxy:
                 raise ConfigError(
                     f"api.token_file: required with servers.{self.cfg.server}.api_key_file and the proxy on"
                 )
-            self.llama_auth = f"Bearer {Path(server.api_key_file).read_text().strip()}".encode()
+            key = read_api_key(Path(server.api_key_file), setting=f"servers.{self.cfg.server}.api_key_file")
+            self.llama_auth = f"Bearer {key}".encode()
         self.upstream = Upstream(
             server.base_url,
             connect_timeout_s=server.connect_timeout_s,
@@ -258,7 +174,7 @@ class Proxy:
             return
         if scope["type"] != "http":
             return
-        route = classify(scope)
+        route = classify(scope["method"], scope.get("raw_path") or scope["path"].encode("utf-8"))
         public = route is not None and route[0] in PUBLIC_PATHS
         headers = dict(scope.get("headers", []))
         refusal = refuse(scope, headers, expected=self.expected, check_host=self.check_host, exempt=public)
@@ -278,7 +194,7 @@ class Proxy:
             await self._refuse(too_big, scope, receive, send)
             return
         path, kind = route
-        if kind is Route.INFO:
+        if kind is RouteKind.INFO:
             out = self._outbound(scope, path, body, authenticated=not public, pinned=False)
             await self._forward(scope, out, receive, send)
             return
@@ -293,16 +209,16 @@ class Proxy:
         self.requests.labels("refused", exc.code).inc()
         await error_response(exc)(scope, receive, send)
 
-    def _read_call(self, headers: dict[bytes, bytes], path: str, kind: Route, body: bytes) -> _Call:
+    def _read_call(self, headers: dict[bytes, bytes], path: str, kind: RouteKind, body: bytes) -> _Call:
         """The session id (header, else body field) and the body of a slot-running request."""
         raw = headers.get(self.session_header)
         session = raw.decode("latin-1") if raw is not None else None
-        wanted = kind is Route.PINNED or session is not None or bool(self.cfg.session_field)
-        data = _json_object(body) if wanted else None  # a session's model label comes from it too
-        if kind is Route.PINNED:
+        wanted = kind is RouteKind.PINNED or session is not None or bool(self.cfg.session_field)
+        data = json_object(body) if wanted else None  # a session's model label comes from it too
+        if kind is RouteKind.PINNED:
             if data is None:
                 raise BadRequest(f"{path} needs a JSON object body (the proxy pins it to a slot)")
-            _one_completion(data)
+            check_one_completion(data)
         if session is None and self.cfg.session_field and data is not None:
             field = data.get(self.cfg.session_field)
             session = field if isinstance(field, str) and field else None
@@ -312,7 +228,7 @@ class Proxy:
 
     def _check_unpinned(self, call: _Call) -> None:
         """A route that ignores id_slot is safe only where llama-server has no other slot to pick."""
-        if call.route is not Route.UNPINNED:
+        if call.route is not RouteKind.UNPINNED:
             return
         caps = self.coordinator.servers[self.cfg.server].caps
         if caps is None:
@@ -349,10 +265,10 @@ class Proxy:
         release = _Release(self.coordinator, lease.lease_id)
         status, timings = "aborted", None
         try:
-            body, pinned = call.body, call.route is Route.PINNED and call.data is not None
+            body, pinned = call.body, call.route is RouteKind.PINNED and call.data is not None
             if pinned:
                 assert call.data is not None
-                body = _pin(call.body, call.data, lease.slot_id, cache_prompt=call.session is not None)
+                body = pin(call.body, call.data, lease.slot_id, cache_prompt=call.session is not None)
             out = self._outbound(scope, call.path, body, authenticated=True, pinned=pinned)
             status, timings = await self._forward(
                 scope,
@@ -486,14 +402,13 @@ class _Release:
             return
         self.done = True
         self.timer.cancel()
-        prompt_n = timings.get("prompt_n") if timings else None
-        cache_n = timings.get("cache_n") if timings else None
+        prompt_n, cache_n = token_counts(timings)
         with contextlib.suppress(KvError):
             await self.coordinator.release(
                 self.lease_id,
                 status=status,  # type: ignore[arg-type]
-                prompt_tokens=prompt_n if isinstance(prompt_n, int) else None,
-                cached_tokens=cache_n if isinstance(cache_n, int) else None,
+                prompt_tokens=prompt_n,
+                cached_tokens=cache_n,
             )
 
 
@@ -504,43 +419,6 @@ def _hop_by_hop(headers: list[tuple[bytes, bytes]] | Any) -> set[bytes]:
         if k == b"connection":
             names.update(t.strip().lower() for t in v.split(b",") if t.strip())
     return names
-
-
-def _json_object(body: bytes) -> dict[str, Any] | None:
-    try:
-        data = json.loads(body) if body else None
-    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _one_completion(data: dict[str, Any]) -> None:
-    """llama-server runs the extra completions of `n` / `n_cmpl` > 1 on other free slots."""
-    for key in ("n", "n_cmpl"):
-        value = data.get(key)
-        if value is not None and (type(value) is not int or value != 1):
-            raise BadRequest(
-                f"{key}: the proxy runs one completion per request (llama-server would run the others "
-                "on other slots)"
-            )
-
-
-def _pin(body: bytes, data: dict[str, Any], slot_id: int, *, cache_prompt: bool = True) -> bytes:
-    """The request body with `id_slot` (and, for a session, `cache_prompt: true`) set, whatever the client
-    sent.
-
-    Agent prompts run to hundreds of kilobytes and re-encoding them costs milliseconds, so when the object
-    has none of those keys the members are spliced in before its closing brace. Otherwise it is
-    re-encoded from the parsed object, which keeps one copy of each key whatever spelling (escaped,
-    repeated) the client used.
-    """
-    text = body.rstrip()
-    untouched = data and "id_slot" not in data and not (cache_prompt and "cache_prompt" in data)
-    if untouched and _OBJECT_START.match(text) and text.endswith(b"}"):
-        members = b',"id_slot":%d' % slot_id + (b',"cache_prompt":true' if cache_prompt else b"")
-        return text[:-1] + members + b"}"
-    pins: dict[str, Any] = {"id_slot": slot_id, **({"cache_prompt": True} if cache_prompt else {})}
-    return json.dumps({**data, **pins}).encode()
 
 
 def _kv_headers(lease: AcquireResult) -> list[tuple[bytes, bytes]]:

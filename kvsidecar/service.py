@@ -1,8 +1,9 @@
 """Assembles the daemon from a config: store, backends, coordinator, watcher, HTTP API; and serves it.
 
 `Daemon.start()` / `Daemon.aclose()` are symmetric: everything started is stopped (shutdown checkpoint
-included). `serve()` runs it under uvicorn on loopback TCP and/or a 0600 unix socket; SIGTERM and SIGINT
-end it through the same path.
+included), and the state directory's lock (`statelock`) is held in between. `serve()` takes that lock
+before it binds anything, runs the daemon under uvicorn on loopback TCP and/or a 0600 unix socket;
+SIGTERM and SIGINT end it through the same path; SIGHUP reloads the config (`Daemon.reload`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import os
 import resource
 import signal
 import socket
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any, Literal
 
 import uvicorn
@@ -30,15 +33,20 @@ from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.coordinator.server import ProcessFinder
 from kvsidecar.errors import ConfigError
 from kvsidecar.listener import Limits, ListenerState, protocol_for
-from kvsidecar.logs import event
+from kvsidecar.logs import event, reconfigure
 from kvsidecar.metrics import Metrics
 from kvsidecar.proxy import Proxy
 from kvsidecar.retention import Policy, RetentionJob
+from kvsidecar.statelock import StateLock
 from kvsidecar.store.fingerprint import FileDigestCache, find_llama_process
 from kvsidecar.store.snapshots import SnapshotStore
 from kvsidecar.store.watcher import SnapshotWatcher
 
 log = logging.getLogger("kvsidecar.service")
+
+# Config sections a reload cannot apply: they shape listeners, routes and clients built once at start.
+# Everything else (enabled, checkpoint, restore, failure, retention, logging) applies live.
+RESTART_ONLY = ("servers", "routes", "state_dir", "api", "proxy")
 
 
 def read_token(config: Config) -> str | None:
@@ -63,9 +71,14 @@ class Daemon:
         process_finder: ProcessFinder | None = find_llama_process,
         watch: bool = True,
         config_path: Path | None = None,
+        state_lock: StateLock | None = None,
     ) -> None:
         self.config = config
         self.config_path = config_path
+        # Taken by start() unless the caller (serve) already holds it; released by aclose() if ours.
+        self.state_lock = state_lock
+        self._owns_lock = state_lock is None
+        self.pending_restart: list[str] = []  # restart-only keys a reload found changed
         self.metrics = Metrics()
         self.store = SnapshotStore(
             state_dir=config.state_dir,
@@ -96,6 +109,20 @@ class Daemon:
         self.listener: ListenerState | None = None  # the API listener's connection state, once serving
 
     async def start(self) -> None:
+        if self.state_lock is None:
+            self.state_lock = await asyncio.to_thread(StateLock.acquire, self.config.state_dir)
+        try:
+            await self._start()
+        except BaseException:
+            self._release_lock()  # aclose() is not called after a failed start
+            raise
+
+    def _release_lock(self) -> None:
+        if self._owns_lock and self.state_lock is not None:
+            self.state_lock.release()
+            self.state_lock = None
+
+    async def _start(self) -> None:
         report = await asyncio.to_thread(self.store.open)
         event(
             log,
@@ -127,22 +154,43 @@ class Daemon:
             )
             self.watcher.start()
 
-    def reload(self) -> None:
-        """SIGHUP: re-read the config file; apply what is safe live (checkpoint, restore, failure,
-        retention, logging), log what needs a restart (servers, routes, api, state_dir)."""
+    def reload(self) -> list[str]:
+        """SIGHUP: re-read the config file and apply every live key, even when restart-only keys
+        (RESTART_ONLY) changed too: those keep their running values and are logged, and kept in
+        `pending_restart`, as needing a restart. A file that does not load changes nothing."""
         try:
             config = load_config(self.config_path)
         except ConfigError as exc:
             event(log, logging.ERROR, "kv.config.reload_failed", error=exc.message)
-            return
-        restart = self.coordinator.reconfigure(config)
-        if restart:
-            event(log, logging.WARNING, "kv.config.reload_partial", needs_restart=",".join(restart))
-            return
-        self.config = config
-        self.retention.config, self.retention.policy = config.retention, Policy.from_config(config.retention)
-        logging.getLogger("kvsidecar").setLevel(config.logging.level.upper())
-        event(log, logging.INFO, "kv.config.reloaded")
+            return self.pending_restart
+        log_deprecations(config)
+        running = self.config
+        pending = changed_keys(_sections(running, RESTART_ONLY), _sections(config, RESTART_ONLY))
+        live = config.model_copy(update={k: getattr(running, k) for k in RESTART_ONLY})
+        changed = changed_keys(running.model_dump(mode="json"), live.model_dump(mode="json"))
+        # Its restart-only sections are the running ones, so the coordinator takes it whole.
+        refused = self.coordinator.reconfigure(live)
+        self._apply_live(running, live)
+        self.pending_restart = sorted(set(pending) | set(refused))
+        event(
+            log,
+            logging.WARNING if self.pending_restart else logging.INFO,
+            "kv.config.reloaded",
+            changed=",".join(changed) or "nothing",
+            needs_restart=",".join(self.pending_restart) or None,
+        )
+        return self.pending_restart
+
+    def _apply_live(self, running: Config, live: Config) -> None:
+        """The live keys the daemon itself (not the coordinator) holds copies of."""
+        self.config = live
+        self.retention.config, self.retention.policy = live.retention, Policy.from_config(live.retention)
+        if live.retention.interval_s != running.retention.interval_s:
+            self.coordinator.scheduler.reschedule_job(
+                "retention", trigger="interval", seconds=live.retention.interval_s
+            )
+        self.store.verify_checksum = live.restore.verify_checksum
+        reconfigure(live.logging.level, live.logging.format)
 
     async def _gc(self) -> None:
         try:
@@ -168,9 +216,12 @@ class Daemon:
         self.coordinator.spawn(check())
 
     async def aclose(self) -> None:
-        if self.watcher is not None:
-            self.watcher.stop()
-        await self.coordinator.aclose()
+        try:
+            if self.watcher is not None:
+                self.watcher.stop()
+            await self.coordinator.aclose()
+        finally:
+            self._release_lock()
 
     def app(self) -> ASGIApp:
         @contextlib.asynccontextmanager
@@ -189,6 +240,29 @@ class Daemon:
             check_host=is_loopback(self.config.api.host),
             lifespan=lifespan,
         )
+
+
+def log_deprecations(config: Config) -> None:
+    for key, note in zip(config.ignored_keys, config.deprecations(), strict=True):
+        event(log, logging.WARNING, "kv.config.deprecated", key=key, detail=note)
+
+
+def _sections(config: Config, keys: tuple[str, ...]) -> dict[str, Any]:
+    return config.model_dump(mode="json", include=set(keys))
+
+
+_ABSENT = object()
+
+
+def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of the leaves that differ between two config dumps (`api.listen`, `servers.b`)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in sorted(old.keys() | new.keys(), key=str):
+            path = f"{prefix}.{key}" if prefix else str(key)
+            out += changed_keys(old.get(key, _ABSENT), new.get(key, _ABSENT), path)
+        return out
+    return [] if old == new else [prefix]
 
 
 def _tcp_socket(what: str, host: str, port: int) -> socket.socket:
@@ -293,11 +367,58 @@ def build_proxy(config: Config, daemon: Daemon) -> tuple[uvicorn.Server, list[so
 async def serve(config: Config, **daemon_kwargs: Any) -> None:
     """Run until SIGTERM/SIGINT; the API's lifespan shutdown checkpoints dirty slots before exit.
 
+    The state directory's lock is taken first (`StateLocked`: another daemon has it) and released last.
     With proxy mode on, a second listener runs beside the API; when either stops, both do.
     """
     fds = ensure_fd_budget(config)
+    log_deprecations(config)
+    with stop_signals() as stopper, StateLock.acquire(config.state_dir) as lock:
+        await _serve(config, fds, stopper, state_lock=lock, **daemon_kwargs)
+
+
+class Stopper:
+    """Stops the uvicorn servers on SIGTERM/SIGINT, including one that came before they were added."""
+
+    def __init__(self) -> None:
+        self.servers: list[uvicorn.Server] = []
+        self.stopped = False
+
+    def add(self, *servers: uvicorn.Server) -> None:
+        self.servers += servers
+        if self.stopped:
+            self.stop()
+
+    def stop(self, _sig: int | None = None, _frame: FrameType | None = None) -> None:
+        self.stopped = True
+        for server in self.servers:
+            server.should_exit = True
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[Stopper]:
+    """SIGTERM/SIGINT outside uvicorn's own handling of them.
+
+    While a server runs, uvicorn handles these signals itself; once it has stopped it restores the
+    previous handlers and raises the signal again. With the default handler, that would end the process
+    right there, before serve() closed the proxy and released the state directory's lock. This handler
+    takes that second delivery, so serve() finishes and the process exits 0. A signal that arrives
+    before the servers run stops them as soon as they start."""
+    stopper = Stopper()
+    if threading.current_thread() is not threading.main_thread():  # signal.signal() only works there
+        yield stopper
+        return
+    previous = {sig: signal.signal(sig, stopper.stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stopper
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+async def _serve(config: Config, fds: int, stopper: Stopper, **daemon_kwargs: Any) -> None:
     server, socks, daemon = build_server(config, **daemon_kwargs)
     proxy = build_proxy(config, daemon)
+    stopper.add(server, *([proxy[0]] if proxy else []))
     event(
         log,
         logging.INFO,

@@ -5,8 +5,17 @@ from kvsidecar.backend.base import (
     BackendSlot,
     EraseResult,
     KvBackend,
+    PromptResult,
     RestoreResult,
     SaveResult,
 )
 
-__all__ = ["BackendCapabilities", "BackendSlot", "EraseResult", "KvBackend", "RestoreResult", "SaveResult"]
+__all__ = [
+    "BackendCapabilities",
+    "BackendSlot",
+    "EraseResult",
+    "KvBackend",
+    "PromptResult",
+    "RestoreResult",
+    "SaveResult",
+]

@@ -60,6 +60,13 @@ class EraseResult:
     measured_ms: float
 
 
+@dataclass(frozen=True, kw_only=True)
+class PromptResult:
+    slot_id: int
+    computed: int  # prompt tokens the engine computed (llama-server: timings.prompt_n)
+    reused: int  # prompt tokens it took from the slot's cache (timings.cache_n)
+
+
 class KvBackend(Protocol):
     """What the coordinator needs from an engine. Every method raises only `BackendError` subclasses."""
 
@@ -81,6 +88,10 @@ class KvBackend(Protocol):
 
     async def prefill(self, slot_id: int, prompt: str) -> int:
         """Compute `prompt` into the slot's KV cache without generating; returns the tokens cached."""
+        ...
+
+    async def run_prompt(self, slot_id: int, prompt: str, *, n_predict: int = 0) -> PromptResult:
+        """Run `prompt` on the slot, reusing what its cache holds; how much was computed and reused."""
         ...
 
     async def aclose(self) -> None: ...

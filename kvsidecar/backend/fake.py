@@ -22,6 +22,7 @@ from kvsidecar.backend.base import (
     BackendCapabilities,
     BackendSlot,
     EraseResult,
+    PromptResult,
     RestoreResult,
     SaveResult,
 )
@@ -308,6 +309,17 @@ class FakeKvBackend:
             return len(words)
         finally:
             self._leave(slot_id)
+
+    async def run_prompt(self, slot_id: int, prompt: str, *, n_predict: int = 0) -> PromptResult:
+        """`prompt` on the slot with the engine's prefix reuse (`infer`); nothing is generated."""
+        self._gate()
+        self._slot(slot_id)
+        self.calls.append(("prompt", slot_id, None))
+        tokens = [
+            xxhash.xxh32_intdigest(f"{self.kv_salt}|{i}|{w}".encode()) for i, w in enumerate(prompt.split())
+        ]
+        computed, reused = self.infer(slot_id, tokens)
+        return PromptResult(slot_id=slot_id, computed=computed, reused=reused)
 
     async def aclose(self) -> None:
         return None

@@ -1,8 +1,10 @@
 """`LlamaCppBackend`: the backend interface over llama-server's HTTP API, with httpx.
 
-This module is the only place that knows llama-server's routes and the only place that sees httpx
-exceptions: every failure leaves it as a `BackendError` subclass with a stable code. Responses are read
-defensively because their schema moves between llama.cpp builds.
+This module is kvsidecar's only client of llama-server's management and probe calls (`/props`, `/slots`,
+`/completion` for the canary and the doctor), with the API key when one is configured, and the only place
+that sees httpx exceptions: every failure leaves it as a `BackendError` subclass with a stable code.
+What the proxy needs to know about llama-server's routes comes from `kvsidecar.backend.llama_http`.
+Responses are read defensively because their schema moves between llama.cpp builds.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from kvsidecar.backend.base import (
     BackendCapabilities,
     BackendSlot,
     EraseResult,
+    PromptResult,
     RestoreResult,
     SaveResult,
 )
+from kvsidecar.backend.llama_http import SLOT_FIELD, read_api_key, token_counts
 from kvsidecar.errors import (
     BackendError,
     BackendUnavailable,
@@ -99,16 +103,21 @@ class LlamaCppBackend:
         self._slot_ids: frozenset[int] | None = None
 
     @classmethod
-    def from_config(cls, server: Any) -> LlamaCppBackend:
+    def from_config(
+        cls, server: Any, *, name: str | None = None, transport: httpx.AsyncBaseTransport | None = None
+    ) -> LlamaCppBackend:
+        """From a `ServerConfig`; its `api_key_file` is read once, here (`ConfigError` if unusable)."""
         api_key = None
         if server.api_key_file is not None:
-            api_key = Path(server.api_key_file).read_text(encoding="utf-8").strip() or None
+            setting = f"servers.{name}.api_key_file" if name else "api_key_file"
+            api_key = read_api_key(Path(server.api_key_file), setting=setting)
         return cls(
             base_url=server.base_url,
             api_key=api_key,
             connect_timeout_s=server.connect_timeout_s,
             request_timeout_s=server.request_timeout_s,
             persist_timeout_s=server.persist_timeout_s,
+            transport=transport,
         )
 
     async def aclose(self) -> None:
@@ -192,11 +201,17 @@ class LlamaCppBackend:
 
     async def prefill(self, slot_id: int, prompt: str) -> int:
         """One prompt pass on a pinned slot with nothing generated (the runtime canary)."""
+        result = await self.run_prompt(slot_id, prompt)
+        return result.computed + result.reused
+
+    async def run_prompt(self, slot_id: int, prompt: str, *, n_predict: int = 0) -> PromptResult:
+        """`/completion` pinned to `slot_id` with prompt caching on, at temperature 0; the engine's own
+        counts of prompt tokens computed and reused (`timings.prompt_n`, `timings.cache_n`)."""
         await self._check_slot(slot_id)
         body = {
             "prompt": prompt,
-            "id_slot": slot_id,
-            "n_predict": 0,
+            SLOT_FIELD: slot_id,
+            "n_predict": n_predict,
             "cache_prompt": True,
             "temperature": 0.0,
             "stream": False,
@@ -205,13 +220,12 @@ class LlamaCppBackend:
             "POST",
             "/completion",
             json_body=body,
-            what=f"prefill slot {slot_id}",
+            what=f"prompt on slot {slot_id}",
             timeout=self._persist_timeout,
         )
         timings = data.get("timings") if isinstance(data, dict) else None
-        if not isinstance(timings, dict):
-            return 0
-        return (_int(timings.get("prompt_n"), 0) or 0) + (_int(timings.get("cache_n"), 0) or 0)
+        computed, reused = token_counts(timings if isinstance(timings, dict) else None)
+        return PromptResult(slot_id=slot_id, computed=computed or 0, reused=reused or 0)
 
     async def inspect_slots(self) -> list[BackendSlot]:
         data = await self._request("GET", "/slots", what="inspect /slots")

@@ -1,4 +1,7 @@
-"""The coordinator's in-memory state: sessions (spec §18), physical slots (§19) and leases.
+"""The coordinator's in-memory records: sessions (spec §18), physical slots (§19) and leases.
+
+Plain data; the rules that change them live in sessions.py (state machine), pool.py (slots) and
+leases.py (leases).
 
 All of it is owned by the event loop thread; nothing here is touched from another thread.
 """
@@ -8,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from kvsidecar.store.naming import SnapshotIdentity
 
@@ -40,9 +44,9 @@ class SessionRuntime:
     saved_revision: int = 0
     seq: int | None = None
     verify_tokens: int | None = None  # tokens a restore claimed, awaiting the engine's reuse figure
-    last_used_at: float = 0.0
     idle_due: float | None = None  # monotonic deadline of the idle checkpoint
-    last_error: str | None = None
+    idle_timer: asyncio.TimerHandle | None = None  # fires at (or before) idle_due; see checkpoint.py
+    last_error: str | None = None  # the code of the last failed save or restore, shown in its view
     # (generation, fingerprint digest) pairs a server refused or crashed on: never offered to it again
     refused: set[tuple[str, str]] = field(default_factory=set)
 
@@ -63,8 +67,6 @@ class Lease:
     key: str | None  # None: an auxiliary request (never a session's state, Invariant 7)
     session_id: str | None
     outcome: Outcome
-    acquired_at: float
-    expires_at: float
     expiry: asyncio.TimerHandle | None = None
 
 
@@ -86,3 +88,23 @@ class Slot:
     @property
     def free(self) -> bool:
         return self.holder is None
+
+
+@dataclass(kw_only=True)
+class AcquireResult:
+    """What an acquire did (the hook API's answer, spec §20)."""
+
+    outcome: Outcome
+    lease_id: str | None = None
+    server: str | None = None
+    base_url: str | None = None
+    slot_id: int | None = None
+    restored_tokens: int | None = None
+    restore_ms: float | None = None
+    restore_server_ms: float | None = None  # llama-server's own timings.restore_ms
+    evicted: str | None = None
+    reason: str | None = None
+    actions: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (v.value if isinstance(v, Outcome) else v) for k, v in self.__dict__.items()}

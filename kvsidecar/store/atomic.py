@@ -88,10 +88,11 @@ class DirMode:
     problem: str | None  # too open and we could not fix it
 
 
-def secure_directory(directory: Path, *, allow_shared_group: bool = False) -> DirMode:
+def secure_directory(directory: Path, *, allow_shared_group: bool = False, fix: bool = True) -> DirMode:
     """Tighten a directory we own to 0700 (or keep a deliberate shared-group setup, setgid + group
-    writable, at exactly 2770 when allowed). Never through a symlink. If we do not own it, nothing is
-    changed, and `problem` says what to do when others (or, for a private one, the group) have access."""
+    writable, at exactly 2770 when allowed). Never through a symlink. If we do not own it (or `fix` is
+    False: the doctor's read-only look), nothing is changed, and `problem` says what to do when others
+    (or, for a private one, the group) have access."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
@@ -100,17 +101,23 @@ def secure_directory(directory: Path, *, allow_shared_group: bool = False) -> Di
         want = SHARED if shared else PRIVATE
         if before == want:
             return DirMode(path=directory, before=before, after=before, changed=False, problem=None)
-        if st.st_uid == os.geteuid():
+        ours = st.st_uid == os.geteuid()
+        if ours and fix:
             os.fchmod(fd, want)
             return DirMode(path=directory, before=before, after=want, changed=True, problem=None)
     finally:
         os.close(fd)
     # Not ours: for a snapshot directory, the group is how we get in; others must have nothing.
     mask, who = (0o007, "o") if allow_shared_group else (0o077, "go")
-    problem = (
-        f"mode {before:04o}, owned by uid {st.st_uid}, not by us (uid {os.geteuid()}): cannot tighten it; "
-        f"its owner should run: chmod {who}-rwx {directory}"
-        if before & mask
-        else None
-    )
+    if ours:
+        problem = (
+            f"mode {before:04o}; kvsidecar sets {want:04o} at start (or run: chmod {want:04o} {directory})"
+        )
+    elif before & mask:
+        problem = (
+            f"mode {before:04o}, owned by uid {st.st_uid}, not by us (uid {os.geteuid()}): cannot tighten "
+            f"it; its owner should run: chmod {who}-rwx {directory}"
+        )
+    else:
+        problem = None
     return DirMode(path=directory, before=before, after=before, changed=False, problem=problem)

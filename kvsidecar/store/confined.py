@@ -129,18 +129,22 @@ class ConfinedDir:
     def open_file(
         self, name: str, *, uids: frozenset[int] | None = None
     ) -> Iterator[tuple[int, os.stat_result]]:
-        """A read-only descriptor of a plain regular file of ours, and its fstat."""
+        """A read-only descriptor of a plain regular file of ours, and its fstat. The entry is lstat'ed
+        first, so a device or FIFO is never even opened; the descriptor's own fstat is what counts."""
         self.check(name)
         allowed = uids if uids is not None else self.expected_uids()
         with self.fd() as dfd:
+            first = _lstat_or_none(name, dfd)
+            if first is None:
+                raise SnapshotNotFound(f"{name[:40]}: no such file")
+            if not stat.S_ISREG(first.st_mode):
+                raise UnsafeFile(f"{name[:40]}: is a {describe(first)}")
             try:
                 fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
             except FileNotFoundError:
                 raise SnapshotNotFound(f"{name[:40]}: no such file") from None
             except OSError as exc:
-                st = _lstat_or_none(name, dfd)
-                kind = describe(st) if st is not None else exc.strerror
-                raise UnsafeFile(f"{name[:40]}: not opened ({kind})") from None
+                raise UnsafeFile(f"{name[:40]}: not opened ({exc.strerror})") from None
         try:
             st = os.fstat(fd)
             why = problem(st, allowed)

@@ -226,6 +226,8 @@ def read_manifest(path: Path) -> Manifest:
     """Read one manifest file: never through a link, never more than MAX_BYTES, never a parse of an
     over-deep document. The file name must be `<key>.json` for the key inside."""
     try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # a link, FIFO or device is never even opened
+            raise BadManifest(NOT_REGULAR, f"{path.name[:40]}: not a regular file")
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         reason = NOT_REGULAR if os.path.islink(path) else UNREADABLE

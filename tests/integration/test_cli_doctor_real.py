@@ -28,16 +28,18 @@ def write_config(
     *,
     snapshot_dir: Path | None = None,
     base_url: str | None = None,
+    api_key_file: Path | None = None,
 ) -> Path:
     (tmp_path / "token").write_text(TOKEN)
+    local: dict[str, Any] = {
+        "base_url": base_url or (server.base_url if server else "http://127.0.0.1:9"),
+        "snapshot_dir": str(snapshot_dir or (server.slot_save_path if server else tmp_path)),
+    }
+    if api_key_file is not None:
+        local["api_key_file"] = str(api_key_file)
     cfg = {
         "state_dir": str(tmp_path / "state"),
-        "servers": {
-            "local": {
-                "base_url": base_url or (server.base_url if server else "http://127.0.0.1:9"),
-                "snapshot_dir": str(snapshot_dir or (server.slot_save_path if server else tmp_path)),
-            }
-        },
+        "servers": {"local": local},
         "api": {"listen": f"127.0.0.1:{free_port()}", "token_file": str(tmp_path / "token")},
     }
     path = tmp_path / "config.yaml"
@@ -58,9 +60,10 @@ def cli(config: Path, *args: str) -> tuple[int, str, str]:
 @pytest.fixture
 def daemon(start_llama: StartServer, tmp_path: Path) -> Iterator[tuple[Path, LlamaServer]]:
     server = start_llama()
+    assert server.slot_save_path is not None
     proc = DaemonProcess(
         tmp_path / "d", base_url=server.base_url, snapshot_dir=server.slot_save_path, token=TOKEN
-    )  # type: ignore[arg-type]
+    )
     proc.start()
     try:
         assert cli(proc.config_path, "wait-ready", "--timeout", "30")[0] == 0
@@ -116,6 +119,29 @@ def test_doctor_good_setup_with_deep_round_trip(start_llama: StartServer, tmp_pa
     assert code == 0, out
     assert "Result: READY" in out and "restore reuse (deep)" in out and "a probe save appeared" in out
     assert not list(server.slot_save_path.iterdir())  # type: ignore[union-attr]  # probes cleaned up
+
+
+def test_doctor_deep_round_trip_with_llama_servers_api_key(start_llama: StartServer, tmp_path: Path) -> None:
+    """Issue 14: the deep check posted /completion itself, without the key: 401, "round trip failed"."""
+    key = tmp_path / "llama.key"
+    key.write_text("llama-secret-0123456789\n")  # the same file llama-server reads
+    server = start_llama(extra_args=("--cache-ram", "0", "--api-key-file", str(key)))
+    config = write_config(tmp_path, server, api_key_file=key)
+    code, out, _ = cli(config, "doctor", "--deep", "--offline")
+    assert code == 0 and "OK    restore reuse (deep)" in out and "Result: READY" in out, out
+    daemon = DaemonProcess(
+        tmp_path / "d",
+        base_url=server.base_url,
+        snapshot_dir=server.slot_save_path,  # type: ignore[arg-type]
+        token=TOKEN,
+        servers={"local": {"api_key_file": str(key)}},
+    ).start()
+    try:
+        code, out, _ = cli(daemon.config_path, "doctor", "--deep")  # through the daemon's /v1/doctor
+        assert code == 0 and "OK    restore reuse (deep)" in out, out
+    finally:
+        daemon.stop()
+    assert not list(server.slot_save_path.iterdir())  # type: ignore[union-attr]
 
 
 def test_doctor_wrong_save_path(start_llama: StartServer, tmp_path: Path) -> None:

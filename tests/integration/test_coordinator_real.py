@@ -89,7 +89,7 @@ async def test_backend_down_then_back(start_llama: StartServer, tmp_path: Path) 
         assert r.outcome is Outcome.COLD_FALLBACK and r.lease_id is not None
         await h.coordinator.release(r.lease_id, status="error")
         server.start()
-        await h.coordinator._refresh(h.coordinator.servers["local"])
+        await h.coordinator.guard.refresh(h.coordinator.servers["local"])
         assert h.coordinator.servers["local"].available
         r, *_ = await h.turn("C")
         assert r.outcome is Outcome.COLD
@@ -106,7 +106,7 @@ async def test_save_failure_does_not_block_the_next_session(start_llama: StartSe
         shutil.rmtree(server.slot_save_path)  # the server cannot write its file
         r, *_ = await h.turn("B")
         assert r.outcome is Outcome.COLD
-        assert h.coordinator.stats.save_failures == 1 and server.alive
+        assert h.coordinator.telemetry.stats()["save_failures"] == 1 and server.alive
         server.slot_save_path.mkdir()
     finally:
         await h.coordinator.aclose()
@@ -154,8 +154,8 @@ async def test_disposal_saves_and_leaves_nothing_running(start_llama: StartServe
     assert not h.coordinator._tasks and not h.coordinator.scheduler.running
     m = h.coordinator.store.get(ident("A").key)
     assert m is not None and m.has_valid
-    assert h.coordinator._sessions.get(ident("A").key) is None or (
-        h.coordinator._sessions[ident("A").key].state is SessionState.SAVED
+    assert h.coordinator.sessions.by_key.get(ident("A").key) is None or (
+        h.coordinator.sessions.by_key[ident("A").key].state is SessionState.SAVED
     )
 
 

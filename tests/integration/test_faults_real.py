@@ -60,7 +60,7 @@ async def test_llama_killed_during_a_save_keeps_the_previous_generation(
         m = h.coordinator.store.get(ident("A").key)
         assert m is not None and m.current == "a" and m.generations["a"].valid  # the manifest's truth
         server.start()
-        await h.coordinator._refresh(h.coordinator.servers["local"])
+        await h.coordinator.guard.refresh(h.coordinator.servers["local"])
         h.turns["A"] = 1  # the unsaved second turn is gone with the server
         r2, _, _, cn = await h.turn("A")
         assert r2.outcome is Outcome.RESTORED and cn > 500 and server.alive
@@ -189,7 +189,7 @@ async def test_disk_full_during_save_keeps_the_old_generation(
             await h.turn("A")  # A is now ~2,900 tokens: its next save (~11 MB) cannot fit
             r, *_ = await h.turn("B")  # switching saves A: ENOSPC
             assert r.outcome is Outcome.RESTORED  # B still runs, restored
-            assert h.coordinator.stats.save_failures == 1 and server.alive
+            assert h.coordinator.telemetry.stats()["save_failures"] == 1 and server.alive
             m = h.coordinator.store.get(ident("A").key)
             assert m is not None and m.current == "a" and m.generations["a"].valid  # old generation intact
             r, _, _, cn = await h.turn("A")
@@ -211,7 +211,11 @@ async def test_read_only_state_directory(start_llama: StartServer, tmp_path: Pat
         subprocess.run(["mount", "-o", "remount,bind,ro", str(state)], check=True)
         try:
             r, *_ = await h.turn("B")  # saving A cannot write its manifest: KV_METADATA_IO
-            assert r.outcome is Outcome.COLD and h.coordinator.stats.save_failures == 1 and server.alive
+            assert (
+                r.outcome is Outcome.COLD
+                and h.coordinator.telemetry.stats()["save_failures"] == 1
+                and server.alive
+            )
         finally:
             subprocess.run(["umount", str(state)], check=False)
         r, *_ = await h.turn("C")

@@ -55,34 +55,50 @@ def rewrite(path: Path, change: Any) -> None:
     path.write_text(json.dumps(data))
 
 
-def test_hostile_manifests_on_a_real_daemon(start_llama: StartServer, tmp_path: Path) -> None:
-    """Items 5, 7 and 15 through the daemon's HTTP API, as an operator or attacker would meet them."""
+def test_preexisting_open_directories_are_tightened_by_the_daemon(
+    start_llama: StartServer, tmp_path: Path
+) -> None:
+    """Item 15: a 0755 snapshot directory (llama-server created it with umask 022) and state directory."""
     server = start_llama()
     snaps = server.slot_save_path
     assert snaps is not None
     work = tmp_path / "d"
     (work / "state").mkdir(parents=True)
     (work / "state").chmod(0o755)
-    snaps.chmod(0o755)  # item 15: pre-existing, world-readable
+    snaps.chmod(0o755)
+    d = DaemonProcess(work, base_url=server.base_url, snapshot_dir=snaps).start()
+    try:
+        assert http_turn(d, server, "A")["outcome"] == "cold"  # llama-server still saves into it (below)
+    finally:
+        d.stop()
+    for directory in (snaps, work / "state", work / "state" / "manifests"):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+    assert "kv.store.dir_tightened" in d.log() and "before=0755" in d.log()
+    assert len(list(snaps.glob("*.a.bin"))) == 1
+
+
+def test_hostile_manifests_on_a_real_daemon(start_llama: StartServer, tmp_path: Path) -> None:
+    """Items 5 and 7 through the daemon's HTTP API, as an operator or attacker would meet them."""
+    server = start_llama()
+    snaps = server.slot_save_path
+    assert snaps is not None
+    work = tmp_path / "d"
     d = DaemonProcess(work, base_url=server.base_url, snapshot_dir=snaps).start()
     try:
         for s in ("good", "other", "escape", "steal", "deep", "typed"):
             http_turn(d, server, s)
     finally:
         d.stop()  # the shutdown checkpoint saves the last one
-    assert stat.S_IMODE(snaps.stat().st_mode) == 0o700
-    assert stat.S_IMODE((work / "state").stat().st_mode) == 0o700
-    assert "kv.store.dir_tightened" in d.log()
 
     manifests = work / "state" / "manifests"
     victim = tmp_path / "victim.txt"  # the snapshot directory's parent
     victim.write_text("not kvsidecar's")
     other_file = snaps / ident("other").filename("a")
     other_bytes = other_file.read_bytes()
-    gen_a = ["generations", "a"]
 
     def set_a(session: str, **fields: Any) -> None:
-        rewrite(manifests / f"{ident(session).key}.json", lambda m: m[gen_a[0]][gen_a[1]].update(fields))
+        path = manifests / f"{ident(session).key}.json"
+        rewrite(path, lambda m: m["generations"]["a"].update(fields))
 
     set_a("escape", filename="../victim.txt")
     set_a("steal", filename=ident("other").filename("a"))  # valid name, another session's file

@@ -44,7 +44,7 @@ async def test_two_sessions_restore_into_their_own_slots_concurrently(
         assert {o for o, *_ in first} == {Outcome.COLD} and {s for _, s, *_ in first} == {0, 1}
         # a third and fourth session push A and B out of their slots (saved first)
         await asyncio.gather(turn("C", 1), turn("D", 1))
-        assert c.store.get(next(iter(c._by_session["A"]))) is not None
+        assert c.store.get(next(iter(c.sessions.by_session_id["A"]))) is not None
         # A and B come back at the same time, each restored into a slot, each reusing its own prefix
         back = await asyncio.gather(turn("A", 2), turn("B", 2))
         for outcome, _slot, prompt_n, cache_n in back:

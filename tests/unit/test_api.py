@@ -76,7 +76,7 @@ async def test_client_context_manager_releases_and_aborts(h: Harness) -> None:
             async with kv.acquire("A", provider="local", model="m") as lease2:
                 raise RuntimeError("harness failed mid-request")
         assert lease2.release_result == {"released": True, "dirty": False}
-        assert h.coordinator._leases == {}
+        assert len(h.coordinator.leases) == 0
         sessions = await kv.sessions()
         assert len(sessions) == 1 and sessions[0]["session"] != "A"
         status = await kv.status()
@@ -150,7 +150,7 @@ async def test_bad_input_gets_a_stable_code_and_changes_nothing(
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["code"] == code and err["message"]
-    assert h.coordinator._sessions == {} and h.fake.calls == []
+    assert h.coordinator.sessions.by_key == {} and h.fake.calls == []
 
 
 async def test_malformed_json_body(h: Harness) -> None:
@@ -167,7 +167,7 @@ async def test_oversized_body_is_refused(h: Harness) -> None:
             "/v1/sessions/A/acquire", json={"provider": "local", "model": "m", "pad": "x" * 10_000}
         )
     assert r.status_code == 413 and r.json()["error"]["code"] == "KV_PAYLOAD_TOO_LARGE"
-    assert h.coordinator._sessions == {}
+    assert h.coordinator.sessions.by_key == {}
 
 
 async def test_streamed_oversized_body_is_refused(h: Harness) -> None:

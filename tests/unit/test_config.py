@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.config import Config, Mode, load_config, parse_bytes
+from kvsidecar.config import Config, Mode, config_from_mapping, load_config
 from kvsidecar.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,15 +83,73 @@ def test_paths_expand_user_and_vars(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert c.state_dir == Path("/data/state")
 
 
+def size(value: object) -> int | None:
+    return config_from_mapping({"retention": {"max_total_bytes": value}}).retention.max_total_bytes
+
+
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("100GB", 100 * 10**9), ("1.5GiB", int(1.5 * 2**30)), ("512M", 512 * 10**6), ("42", 42), (7, 7)],
+    [
+        ("100GB", 100 * 10**9),
+        ("1.5GiB", int(1.5 * 2**30)),
+        ("512M", 512 * 10**6),
+        ("512Mi", 512 * 2**20),
+        ("512 mib", 512 * 2**20),
+        ("1k", 1000),
+        ("2TB", 2 * 10**12),
+        ("1PiB", 2**50),
+        ("42", 42),
+        ("42B", 42),
+        (" 7 kb ", 7000),
+        (7, 7),
+        (1e9, 10**9),
+        (0, 0),
+    ],
 )
 def test_sizes(text: object, value: int) -> None:
-    assert parse_bytes(text) == value
+    """Every spelling the old hand-written parser took still means the same (pydantic ByteSize now)."""
+    assert size(text) == value
+
+
+@pytest.mark.parametrize(
+    "text", ["1.5.3GB", "5.GB", "1Gbit", "GB", "-5", -5, 2.5, True, "١٢٣", "1e9", "10 XB", "", float("nan")]
+)
+def test_bad_sizes_name_the_key(text: object) -> None:
+    """ByteSize alone would read "1.5.3GB" as 1, "5.GB" as 5 and True as 1: refused here."""
+    with pytest.raises(ConfigError) as info:
+        size(text)
+    assert info.value.message.startswith("retention.max_total_bytes: not a size")
+
+
+def test_removed_keys_load_with_a_warning_naming_them(tmp_path: Path) -> None:
+    """restore.verify (never read) and auxiliary_requests (one value only) are gone: an old file that
+    sets them still loads, and says which keys to delete."""
+    text = "auxiliary_requests: isolate\nrestore:\n  verify: false\n  min_reuse_ratio: 0.3\n"
+    c = load_config(write(tmp_path, text), env={})
+    assert c.restore.min_reuse_ratio == 0.3
+    assert c.ignored_keys == ("restore.verify", "auxiliary_requests")
+    notes = c.deprecations()
+    assert len(notes) == 2 and notes[0].startswith("restore.verify is no longer a setting")
+    dump = c.model_dump()
+    assert "auxiliary_requests" not in dump and "verify" not in dump["restore"]
+    with pytest.raises(ConfigError, match=r"restore\.verifyy: Extra inputs"):  # any other: an error
+        load_config(write(tmp_path, "restore:\n  verifyy: true\n"), env={})
+
+
+def test_shipped_config_sets_no_removed_key() -> None:
+    assert load_config(REPO / "config.yaml", env={}).deprecations() == []
 
 
 def test_config_objects_are_frozen() -> None:
     c = Config()
     with pytest.raises(ValueError):
         c.enabled = False  # type: ignore[misc]
+
+
+def test_config_check_warns_about_removed_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvsidecar.cli import main
+
+    assert main(["-c", str(write(tmp_path, "restore:\n  verify: true\n")), "config", "check"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == "config OK"
+    assert out.err.startswith("kvsidecar: warning: restore.verify is no longer a setting and is ignored")

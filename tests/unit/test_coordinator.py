@@ -10,7 +10,7 @@ import pytest
 
 from kvsidecar.coordinator.breaker import BreakerState
 from kvsidecar.coordinator.state import Lease, Outcome, SessionState
-from kvsidecar.errors import InvalidSessionId, LeaseNotFound, MetadataIO, SaveFailed, SlotBusy
+from kvsidecar.errors import InvalidSessionId, LeaseNotFound, MetadataIO, SaveFailed, ShuttingDown, SlotBusy
 from kvsidecar.store.fingerprint import ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity
 from tests.unit.coordinator_helpers import Harness, start_harness
@@ -43,7 +43,10 @@ async def test_first_milestone_call_sequence(h: Harness) -> None:
     r, _, prompt_n, cache_n = await h.turn("A")
     assert (r.outcome, h.calls()) == (Outcome.RESTORED, ["save", "restore"])
     assert r.restored_tokens == 100 and cache_n == 100 and prompt_n == 50  # only the new turn is computed
-    assert r.actions == [f"save {r.evicted}", f"restore {h.coordinator._sessions[key('A')].identity.short}"]
+    assert r.actions == [
+        f"save {r.evicted}",
+        f"restore {h.coordinator.sessions.by_key[key('A')].identity.short}",
+    ]
 
 
 async def test_resident_requests_cost_nothing(h: Harness, tmp_path: Path) -> None:
@@ -61,7 +64,7 @@ async def test_resident_requests_cost_nothing(h: Harness, tmp_path: Path) -> Non
 
 async def test_dirty_revisions_and_state_machine(h: Harness) -> None:
     await h.turn("A")
-    rt = h.coordinator._sessions[key("A")]
+    rt = h.coordinator.sessions.by_key[key("A")]
     assert (rt.state, rt.dirty_revision, rt.saved_revision) == (SessionState.ACTIVE_DIRTY, 1, 0)
     await h.turn("A")
     assert rt.dirty_revision == 2
@@ -97,7 +100,7 @@ async def test_restore_refused_by_the_server_falls_back_cold_and_keeps_the_file(
     assert owner(h) == key("A")
     m = h.coordinator.store.get(key("A"))
     assert m is not None and all(rec.invalid_reason is None for _, rec in m.ordered_generations())
-    rt = h.coordinator._sessions[key("A")]
+    rt = h.coordinator.sessions.by_key[key("A")]
     assert len(rt.refused) == 1
 
 
@@ -124,7 +127,7 @@ async def test_server_unreachable_at_restore_never_invalidates(h: Harness) -> No
     assert m is not None and m.has_valid
     h.fake.set_unavailable(False)
     h.fake.restart()
-    await h.coordinator._refresh(h.coordinator.servers["local"])  # the probe sees the new instance
+    await h.coordinator.guard.refresh(h.coordinator.servers["local"])  # the probe sees the new instance
     r, *_ = await h.turn("A")
     assert r.outcome is Outcome.RESTORED
 
@@ -155,7 +158,7 @@ async def test_save_failure_lets_the_next_session_run(h: Harness) -> None:
     h.fake.fail_next_save()
     r, *_ = await h.turn("B")
     assert r.outcome is Outcome.COLD and owner(h) == key("B")
-    assert h.coordinator.stats.save_failures == 1
+    assert h.coordinator.telemetry.stats()["save_failures"] == 1
     r, *_ = await h.turn("A")
     assert r.outcome is Outcome.COLD  # nothing was saved for A: a clean cold start, never a wrong one
 
@@ -190,13 +193,13 @@ async def test_session_with_purpose_is_auxiliary(h: Harness) -> None:
     r = await h.coordinator.acquire("A", provider="local", model="m", purpose="compaction")
     assert r.reason == "auxiliary" and r.lease_id is not None
     await h.coordinator.release(r.lease_id, status="ok")
-    assert key("A") not in h.coordinator._sessions
+    assert key("A") not in h.coordinator.sessions.by_key
 
 
 async def test_unmanaged_provider_is_bypassed(h: Harness) -> None:
     r = await h.coordinator.acquire("A", provider="openai", model="gpt")
     assert r.outcome is Outcome.BYPASS and r.lease_id is None
-    assert h.calls() == [] and h.coordinator._sessions == {}
+    assert h.calls() == [] and h.coordinator.sessions.by_key == {}
 
 
 async def test_cancelled_request_releases_the_slot(h: Harness) -> None:
@@ -222,7 +225,7 @@ async def test_a_waiter_cancelled_in_the_queue_leaks_nothing(h: Harness) -> None
     assert r.lease_id is not None
     await h.coordinator.release(r.lease_id, status="ok")
     r2, *_ = await h.turn("C")
-    assert r2.outcome is Outcome.COLD and len(h.coordinator._leases) == 0
+    assert r2.outcome is Outcome.COLD and len(h.coordinator.leases) == 0
 
 
 async def test_busy_slot_times_out_with_slot_busy(h: Harness) -> None:
@@ -242,19 +245,20 @@ async def test_release_twice_and_unknown_lease(h: Harness) -> None:
         await h.coordinator.release(r.lease_id, status="ok")
     with pytest.raises(LeaseNotFound):
         await h.coordinator.release("nope", status="ok")
-    assert h.coordinator._sessions[key("A")].dirty_revision == 1  # the double release changed nothing
+    assert h.coordinator.sessions.by_key[key("A")].dirty_revision == 1  # the double release changed nothing
 
 
 async def test_lease_expiry_frees_the_slot(h: Harness) -> None:
     r = await h.coordinator.acquire("A", provider="local", model="m")
     assert r.lease_id is not None
-    lease = h.coordinator._leases[r.lease_id]
+    lease = h.coordinator.leases.get(r.lease_id)
+    assert lease is not None
     loop = asyncio.get_running_loop()
     assert lease.expiry is not None
     assert abs(lease.expiry.when() - (loop.time() + h.coordinator.config.api.lease_ttl_s)) < 5
     await h.coordinator._expire(r.lease_id)  # what the timer does when the TTL runs out
-    assert h.coordinator.stats.leases_expired == 1 and r.lease_id not in h.coordinator._leases
-    assert h.coordinator._sessions[key("A")].dirty_revision == 0  # an expired lease is aborted, not ok
+    assert h.coordinator.telemetry.stats()["leases_expired"] == 1 and r.lease_id not in h.coordinator.leases
+    assert h.coordinator.sessions.by_key[key("A")].dirty_revision == 0  # an expired lease is aborted, not ok
     r2, *_ = await h.turn("B")
     assert r2.outcome is Outcome.COLD
 
@@ -266,7 +270,7 @@ async def test_flush_coalesces_saves(h: Harness) -> None:
     assert (await h.coordinator.session_event("A", "flush"))["saved"] == 0
     await h.coordinator.save("A")
     assert h.calls() == ["save"]
-    rt = h.coordinator._sessions[key("A")]
+    rt = h.coordinator.sessions.by_key[key("A")]
     assert rt.state is SessionState.ACTIVE_CLEAN and not rt.dirty
     r, *_ = await h.turn("B")
     assert h.calls() == ["erase"]  # A was clean: switching away needs no save
@@ -297,27 +301,28 @@ async def test_turn_end_saves_only_when_configured(tmp_path: Path) -> None:
 
 async def test_idle_timer_follows_the_last_request_and_rechecks_ownership(h: Harness) -> None:
     clock = [1000.0]
-    h.coordinator.monotonic = lambda: clock[0]
+    h.coordinator.checkpoints.monotonic = lambda: clock[0]
     await h.turn("A")
-    job = h.coordinator.idle_job(key("A"))
-    assert job is not None and tuple(job.args) == (key("A"),)
+    rt = h.coordinator.sessions.by_key[key("A")]
+    timer = rt.idle_timer
+    assert timer is not None
     clock[0] += 20
-    await h.turn("A")  # pushes the deadline to t+50 without touching the scheduler
-    assert h.coordinator.idle_job(key("A")) is job
+    await h.turn("A")  # pushes the deadline to t+50 without touching the timer
+    assert rt.idle_timer is timer
     h.calls()
-    clock[0] += 10  # the job fires at t+30: the session was used 10 s ago, not idle yet
-    await h.coordinator._on_idle(key("A"))
-    assert h.calls() == [] and h.coordinator.idle_job(key("A")) is not None  # re-armed for t+50
+    clock[0] += 10  # the timer fires at t+30: the session was used 10 s ago, not idle yet
+    await h.coordinator.checkpoints.on_idle(key("A"))
+    assert h.calls() == [] and rt.idle_timer is not None and rt.idle_timer is not timer  # re-armed for t+50
     clock[0] += 20
-    await h.coordinator._on_idle(key("A"))
-    assert h.calls() == ["save"] and not h.coordinator._sessions[key("A")].dirty
-    await h.coordinator._on_idle(key("A"))  # a second firing saves nothing (coalesced)
+    await h.coordinator.checkpoints.on_idle(key("A"))
+    assert h.calls() == ["save"] and not rt.dirty
+    await h.coordinator.checkpoints.on_idle(key("A"))  # a second firing saves nothing (coalesced)
     assert h.calls() == []
     await h.turn("A")
     await h.turn("B")
     h.calls()
     clock[0] += 60
-    await h.coordinator._on_idle(key("A"))  # A is no longer resident: nothing to do
+    await h.coordinator.checkpoints.on_idle(key("A"))  # A is no longer resident: nothing to do
     assert h.calls() == []
 
 
@@ -325,8 +330,7 @@ async def test_disposed_checkpoints_then_drops_ownership(h: Harness) -> None:
     await h.turn("A")
     h.calls()
     out = await h.coordinator.session_event("A", "disposed")
-    assert out["saved"] == 1 and owner(h) is None and key("A") not in h.coordinator._sessions
-    assert h.coordinator.idle_job(key("A")) is None
+    assert out["saved"] == 1 and owner(h) is None and key("A") not in h.coordinator.sessions.by_key
     r, *_ = await h.turn("A")
     assert r.outcome is Outcome.RESTORED
 
@@ -353,7 +357,7 @@ async def test_ineffective_restore_is_detected(h: Harness) -> None:
     r, out, _, cache_n = await h.turn("A")
     assert r.outcome is Outcome.RESTORED and cache_n == 0
     assert out["restore_verification"] == "ineffective"
-    assert h.coordinator.stats.restore_ineffective == 1
+    assert h.coordinator.telemetry.stats()["restore_ineffective"] == 1
     h.fake.knobs.restore_reuses_nothing = False
     await h.turn("B")
     r, out, *_ = await h.turn("A")
@@ -363,13 +367,13 @@ async def test_ineffective_restore_is_detected(h: Harness) -> None:
 async def test_server_restart_drops_residency(h: Harness) -> None:
     h.process[0] = ProcessInfo(pid=1, create_time=1.0, exe=None, cmdline=("llama-server",), flags={})
     srv = h.coordinator.servers["local"]
-    await h.coordinator._refresh(srv)
+    await h.coordinator.guard.refresh(srv)
     await h.turn("A")
     await h.coordinator.save("A")
     h.fake.restart()
     h.process[0] = ProcessInfo(pid=2, create_time=2.0, exe=None, cmdline=("llama-server",), flags={})
-    await h.coordinator._refresh(srv)
-    assert owner(h) is None and h.coordinator.stats.server_restarts == 1
+    await h.coordinator.guard.refresh(srv)
+    assert owner(h) is None and h.coordinator.telemetry.stats()["server_restarts"] == 1
     h.calls()
     r, _, _, cache_n = await h.turn("A")
     assert r.outcome is Outcome.RESTORED and h.calls() == ["restore"] and cache_n == 50
@@ -379,9 +383,9 @@ async def test_unreachable_then_back_counts_as_restart(h: Harness) -> None:
     await h.turn("A")
     srv = h.coordinator.servers["local"]
     h.fake.set_unavailable()
-    await h.coordinator._refresh(srv)
+    await h.coordinator.guard.refresh(srv)
     h.fake.set_unavailable(False)
-    await h.coordinator._refresh(srv)
+    await h.coordinator.guard.refresh(srv)
     assert owner(h) is None
 
 
@@ -396,7 +400,7 @@ async def test_models_of_one_session_are_separate_snapshots(h: Harness) -> None:
 async def test_hostile_session_id_is_refused_before_anything(h: Harness) -> None:
     with pytest.raises(InvalidSessionId):
         await h.coordinator.acquire("../../etc/passwd", provider="local", model="m")
-    assert h.calls() == [] and h.coordinator._sessions == {}
+    assert h.calls() == [] and h.coordinator.sessions.by_key == {}
 
 
 async def test_purge_and_invalidate(h: Harness, tmp_path: Path) -> None:
@@ -417,7 +421,7 @@ async def test_shutdown_checkpoints_and_leaves_nothing_running(tmp_path: Path) -
     await h.turn("A")
     h.calls()
     c = h.coordinator
-    assert c.scheduler.get_jobs() and c._tasks
+    assert c.sessions.by_key[key("A")].idle_timer is not None and c._tasks
     await c.aclose()
     assert h.calls() == ["save"]
     assert not c._tasks and not c.scheduler.running
@@ -431,7 +435,7 @@ async def test_status_view(h: Harness) -> None:
     await h.turn("A")
     status = h.coordinator.status()
     assert status["servers"][0]["slots"][0]["state"] == "dirty"
-    assert status["servers"][0]["slots"][0]["owner"] == h.coordinator._sessions[key("A")].identity.short
+    assert status["servers"][0]["slots"][0]["owner"] == h.coordinator.sessions.by_key[key("A")].identity.short
     assert status["stats"]["cold_starts"] == 1
     views = h.coordinator.session_views()
     assert views[0]["session"] != "A"  # abbreviated, never the full id in listings
@@ -446,7 +450,7 @@ async def test_invariant_one_owner_per_slot_under_interleaving(h: Harness) -> No
         for _ in range(5):
             r = await h.coordinator.acquire(name, provider="local", model="m")
             slot = h.coordinator.servers["local"].slots[0]
-            holders = sum(1 for lease in h.coordinator._leases.values() if lease.slot_id == 0)
+            holders = sum(1 for lease in h.coordinator.leases if lease.slot_id == 0)
             seen_holders.append(holders)
             assert isinstance(slot.holder, Lease) and slot.holder.id == r.lease_id
             assert slot.owner == key(name)
@@ -478,11 +482,12 @@ async def test_slot_selection_order(
         for i, o in owners.items():
             srv.slots[i].owner = o
             srv.slots[i].last_used_at = float(i)
-        chosen = srv.select_slot("s", lambda k: k in dirty)
+        h.coordinator.pool.is_dirty = lambda k: k in dirty
+        chosen = h.coordinator.pool.select(srv, "s")
         assert chosen is not None and chosen.id == want
         srv.slots[want].holder = "busy"
         if owners.get(want) == "s":
-            assert srv.select_slot("s", lambda k: k in dirty) is None  # wait for its own slot
+            assert h.coordinator.pool.select(srv, "s") is None  # wait for its own slot
     finally:
         await h.coordinator.aclose()
 
@@ -522,3 +527,18 @@ async def test_unreadable_manifest_while_finding_falls_back_cold(h: Harness) -> 
     h.coordinator.store.find_restorable = unreadable  # type: ignore[method-assign,assignment]
     r, _, prompt_n, cache_n = await h.turn("A")
     assert r.outcome is Outcome.COLD and cache_n == 0 and prompt_n > 0
+
+
+async def test_sigterm_while_waiting_for_a_slot_is_shutting_down(tmp_path: Path) -> None:
+    """Issue 14: a request waiting for a slot when the daemon stops gets KV_SHUTTING_DOWN, not a 500."""
+    h = await start_harness(tmp_path)
+    first = await h.coordinator.acquire("A", provider="local", model="m")
+    waiting = asyncio.ensure_future(h.coordinator.acquire("B", provider="local", model="m"))
+    while not h.coordinator.servers["local"].waiters:
+        await asyncio.sleep(0)
+    closing = asyncio.ensure_future(h.coordinator.aclose())
+    with pytest.raises(ShuttingDown) as info:
+        await waiting
+    assert info.value.code == "KV_SHUTTING_DOWN"
+    assert first.lease_id is not None
+    await closing

@@ -82,3 +82,14 @@ def test_symlinked_configured_dir_is_tightened_at_its_target(tmp_path: Path) -> 
     (tmp_path / "snaps").symlink_to(real, target_is_directory=True)
     store_over(tmp_path).open()
     assert mode(real) == 0o700
+
+
+def test_read_only_look_for_the_doctor_changes_nothing(tmp_path: Path) -> None:
+    d = tmp_path / "snaps"
+    d.mkdir()
+    d.chmod(0o755)
+    result = secure_directory(d, allow_shared_group=True, fix=False)
+    assert mode(d) == 0o755 and not result.changed
+    assert result.problem is not None and "0700" in result.problem
+    d.chmod(0o700)
+    assert secure_directory(d, fix=False).problem is None

@@ -7,7 +7,9 @@ from kvsidecar.store.naming import (
     SNAPSHOT_FILE,
     SnapshotIdentity,
     other_generation,
+    parse_snapshot_name,
     short_id,
+    snapshot_filename,
     validate_label,
     validate_session_id,
 )
@@ -32,6 +34,7 @@ def ident(**kw: str) -> SnapshotIdentity:
         "\u00e9",
         "\u0430dmin",  # Cyrillic a
         "a\nb",
+        "trailing-newline\n",  # `$` used to accept it
         "C:\\x",
     ],
 )
@@ -83,3 +86,31 @@ def test_other_generation() -> None:
     assert other_generation(None) == "a"
     assert other_generation("a") == "b"
     assert other_generation("b") == "a"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "0" * 32 + ".a.bin\n",  # `$` used to accept a trailing newline
+        "0" * 32 + ".a.bin\x00",
+        "0" * 31 + "\uff10.a.bin",  # fullwidth zero
+        "0" * 31 + "\u0660.a.bin",  # Arabic-Indic zero
+        "A" * 32 + ".a.bin",
+        "0" * 32 + ".c.bin",
+        "0" * 33 + ".a.bin",
+        "../" + "0" * 32 + ".a.bin",
+        "0" * 32 + ".a.bin/..",
+        "",
+    ],
+)
+def test_only_our_exact_names_parse(name: str) -> None:
+    assert parse_snapshot_name(name) is None
+    assert not SNAPSHOT_FILE.match(name)
+
+
+def test_generated_names_parse_back_to_their_key() -> None:
+    i = ident()
+    assert parse_snapshot_name(i.filename("b")) == (i.key, "b")
+    assert snapshot_filename(i.key, "a") == i.filename("a")
+    with pytest.raises(ValueError):
+        snapshot_filename("../x", "a")

@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvsidecar.proxy import Proxy, _pin
+from kvsidecar.backend.llama_http import pin
+from kvsidecar.proxy import Proxy
 from kvsidecar.service import _uvicorn
 from tests.unit.coordinator_helpers import Harness, start_harness
 from tests.unit.origin import Origin, OriginConn, Request, keep_alive_origin
@@ -153,12 +154,12 @@ async def test_silent_llama_is_a_502_with_a_stable_code(tmp_path: Path) -> None:
 
 def test_pin_splices_or_reencodes() -> None:
     body = b' {"a": [1, {"b": "}"}]}\n '
-    assert _pin(body, json.loads(body), 3) == b' {"a": [1, {"b": "}"}],"id_slot":3,"cache_prompt":true}'
+    assert pin(body, json.loads(body), 3) == b' {"a": [1, {"b": "}"}],"id_slot":3,"cache_prompt":true}'
     own = b'{"id_slot": 7, "cache_prompt": false, "p": "x"}'
-    assert json.loads(_pin(own, json.loads(own), 1)) == {"id_slot": 1, "cache_prompt": True, "p": "x"}
-    assert json.loads(_pin(b"{}", {}, 0)) == {"id_slot": 0, "cache_prompt": True}
+    assert json.loads(pin(own, json.loads(own), 1)) == {"id_slot": 1, "cache_prompt": True, "p": "x"}
+    assert json.loads(pin(b"{}", {}, 0)) == {"id_slot": 0, "cache_prompt": True}
     bom = b'\xef\xbb\xbf{"p": 1}'
-    assert json.loads(_pin(bom, json.loads(bom), 2)) == {"p": 1, "id_slot": 2, "cache_prompt": True}
+    assert json.loads(pin(bom, json.loads(bom), 2)) == {"p": 1, "id_slot": 2, "cache_prompt": True}
 
 
 async def test_client_gone_mid_stream_aborts_upstream_and_lease(tmp_path: Path) -> None:

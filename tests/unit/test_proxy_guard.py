@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
+from kvsidecar.backend.llama_http import ROUTES, RouteKind, classify, llama_path
 from kvsidecar.config import config_from_mapping
 from kvsidecar.errors import ConfigError
-from kvsidecar.proxy import ROUTES, Proxy, Route, classify, llama_path
+from kvsidecar.proxy import Proxy
 from tests.unit.coordinator_helpers import make_config, start_harness
 from tests.unit.origin import Request, keep_alive_origin
 from tests.unit.rawhttp import raw_request
@@ -130,9 +131,8 @@ def test_llama_path_decodes_like_cpp_httplib() -> None:
     assert llama_path(b"/%u0073lots") == "/slots"
     assert llama_path(b"/%2573lots") == "/%73lots"  # once, not twice
     assert llama_path(b"/%zz%u00") == "/%zz%u00"  # malformed escapes stay as they are
-    scope = {"method": "POST", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions"}
-    assert classify(scope) == ("/v1/chat/completions", Route.PINNED)
-    assert classify({**scope, "method": "GET"}) is None
+    assert classify("POST", b"/v1/chat/completions") == ("/v1/chat/completions", RouteKind.PINNED)
+    assert classify("GET", b"/v1/chat/completions") is None
     assert not any(p.startswith("/slots") or p == "/predict" for p in ROUTES)
 
 
@@ -217,7 +217,7 @@ async def _post(r: Rig, path: str, body: bytes, session: str | None = None) -> A
         return await c.post(path, content=body, headers=headers)
 
 
-PINNED = [p for p, (_, kind) in ROUTES.items() if kind is Route.PINNED]
+PINNED = [p for p, (_, kind) in ROUTES.items() if kind is RouteKind.PINNED]
 CLIENT_SLOT_SPELLINGS = [
     b'{"prompt": "x", "id_slot": 0}',
     b'{"prompt": "x", "id\\u005fslot": 0}',
@@ -286,7 +286,7 @@ async def test_a_pinned_route_needs_a_json_object(r: Rig) -> None:
 
 
 async def test_routes_that_ignore_id_slot_need_a_single_slot_server(tmp_path: Path) -> None:
-    unpinned = [p for p, (_, kind) in ROUTES.items() if kind is Route.UNPINNED]
+    unpinned = [p for p, (_, kind) in ROUTES.items() if kind is RouteKind.UNPINNED]
     async for each in rig(tmp_path, keep_alive_origin(echo), server={"mode": "managed-slots"}, total_slots=2):
         for path in unpinned:
             for session in (None, "A"):

@@ -33,7 +33,7 @@ def job(store: SnapshotStore, *, protected: set[str] | None = None, **cfg: objec
     cfg = {"max_age_days": None, "min_free_percent": None, **cfg}  # the store's test clock is in 1970
     return RetentionJob(
         store=store,
-        config=RetentionConfig(**cfg),  # type: ignore[arg-type]
+        config=RetentionConfig.model_validate(cfg),
         metrics=Metrics(),
         protected_keys=lambda: protected or set(),
         disk_usage=lambda _p: ROOMY,
@@ -153,6 +153,7 @@ async def test_crash_between_record_and_file_leaves_an_orphan(
 
 def test_job_on_a_fake_filesystem() -> None:
     with Patcher() as patcher:
+        assert patcher.fs is not None
         patcher.fs.create_dir("/var/lib/kvsidecar")
         store = SnapshotStore(
             state_dir=Path("/var/lib/kvsidecar/state"),

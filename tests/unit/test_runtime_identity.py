@@ -26,7 +26,7 @@ async def h(tmp_path: Path) -> AsyncIterator[Harness]:
 
 
 def key(h: Harness, session: str) -> str:
-    return next(k for k, rt in h.coordinator._sessions.items() if rt.identity.session_id == session)
+    return next(k for k, rt in h.coordinator.sessions.by_key.items() if rt.identity.session_id == session)
 
 
 def tokens_of(h: Harness, session: str) -> list[int]:
@@ -88,7 +88,7 @@ async def test_a_save_in_the_window_is_not_recorded_under_the_previous_runtime(h
     assert m is not None and tokens_of(h, "B") == before
     assert all(rec.fingerprint == runtime1 for _, rec in m.ordered_generations())
     h.fake.restart(kv_salt=runtime1_salt)  # back to runtime 1: B's snapshot is good again
-    await h.coordinator._refresh(srv)
+    await h.coordinator.guard.refresh(srv)
     r, _, _, cache_n = await h.turn("B")
     assert r.outcome is Outcome.RESTORED and cache_n > 0
 
@@ -125,7 +125,7 @@ async def test_restart_during_the_save_discards_the_file(h: Harness) -> None:
 async def test_local_process_restart_is_seen_on_the_resident_path(h: Harness) -> None:
     srv = h.coordinator.servers["local"]
     h.process[0] = ProcessInfo(pid=10, create_time=1.0, exe=None, cmdline=("llama-server",), flags={})
-    await h.coordinator._refresh(srv)
+    await h.coordinator.guard.refresh(srv)
     await h.turn("A")
     await h.coordinator.save("A")
     h.fake.restart()
@@ -137,7 +137,7 @@ async def test_local_process_restart_is_seen_on_the_resident_path(h: Harness) ->
 async def test_server_without_any_identity_is_re_fingerprinted_before_each_restore(h: Harness) -> None:
     h.fake.nonce = None  # a remote server that exposes no per-start nonce
     h.fake.restart()
-    await h.coordinator._refresh(h.coordinator.servers["local"])
+    await h.coordinator.guard.refresh(h.coordinator.servers["local"])
     await h.turn("A")
     await h.turn("B")
     h.fake.restart(kv_salt="runtime 2")
@@ -148,14 +148,14 @@ async def test_server_without_any_identity_is_re_fingerprinted_before_each_resto
 
 
 async def test_sessions_with_nothing_are_forgotten(h: Harness) -> None:
-    h.coordinator.config = h.coordinator.config.model_copy(
-        update={"checkpoint": h.coordinator.config.checkpoint.model_copy(update={"on_switch": False})}
-    )
+    config = h.coordinator.config
+    checkpoint = config.checkpoint.model_copy(update={"on_switch": False})
+    h.coordinator.reconfigure(config.model_copy(update={"checkpoint": checkpoint}))
     for i in range(20):
         await h.turn(f"s{i}")
-    h.coordinator._forget_idle_sessions()
+    h.coordinator.forget_idle_sessions()
     # only the resident one is left: the others have no snapshot, no slot, no lease
-    assert len(h.coordinator._sessions) == 1 and len(h.coordinator._by_session) == 1
+    assert len(h.coordinator.sessions.by_key) == 1 and len(h.coordinator.sessions.by_session_id) == 1
 
 
 def _files(h: Harness) -> list[str]:
@@ -181,14 +181,14 @@ async def test_no_identity_managed_server_keeps_its_fingerprint(tmp_path: Path) 
         h.fake.nonce = None
         h.fake.restart()
         srv = h.coordinator.servers["local"]
-        await h.coordinator._refresh(srv)
+        await h.coordinator.guard.refresh(srv)
         for s in ("A", "B", "C"):  # C evicts A (least recently used): A saved
             await h.turn(s)
         assert srv.fingerprint is not None
         for s in ("A", "B", "C", "A"):
             await h.turn(s)
         assert srv.fingerprint is not None
-        assert h.coordinator.stats.saves >= 3
+        assert h.coordinator.telemetry.stats()["saves"] >= 3
     finally:
         await h.coordinator.aclose()
 
@@ -205,7 +205,44 @@ async def test_pending_canary_takes_the_reference_slot_from_its_owner(tmp_path: 
         srv.canary = None
         srv._compose()
         assert srv.fingerprint is None
-        await h.coordinator._refresh(srv)  # what the probe loop does
+        await h.coordinator.guard.refresh(srv)  # what the probe loop does
         assert srv.fingerprint is not None and ref.owner is None
     finally:
         await h.coordinator.aclose()
+
+
+def test_process_watch_sees_the_local_server_exit() -> None:
+    """The resident path's check: a pidfd poll, true while the process runs, false once it exited."""
+    import subprocess
+
+    import psutil
+
+    from kvsidecar.coordinator.server import _ProcessWatch
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        info = ProcessInfo(
+            pid=child.pid, create_time=psutil.Process(child.pid).create_time(), exe=None, cmdline=(), flags={}
+        )
+        watch = _ProcessWatch(info)
+        assert watch.fd is not None and watch.alive() is True
+        child.kill()
+        child.wait()
+        assert watch.alive() is False
+        watch.close()
+        stale = ProcessInfo(pid=child.pid, create_time=info.create_time, exe=None, cmdline=(), flags={})
+        assert _ProcessWatch(stale).fd is None  # a pid that is gone (or reused) gets no watch
+    finally:
+        child.kill()
+
+
+async def test_file_swapped_while_the_server_read_it_is_voided(h: Harness) -> None:
+    """A snapshot replaced between our checks and llama-server's open: the restore does not count."""
+    await h.turn("A")
+    await h.turn("B")
+    store = h.coordinator.store
+    real = store.confirm_unchanged
+    store.confirm_unchanged = lambda candidate: False  # type: ignore[method-assign]
+    r, _, _, cache_n = await h.turn("A")
+    store.confirm_unchanged = real  # type: ignore[method-assign]
+    assert r.outcome is Outcome.COLD_FALLBACK and r.reason == "SNAPSHOT_FILE_UNSAFE" and cache_n == 0

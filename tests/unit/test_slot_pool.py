@@ -34,9 +34,9 @@ def check_invariants(c: Coordinator, h: Harness) -> None:
     assert len(owners) == len(set(owners)), "a session owns two slots"
     for s in slots:
         if isinstance(s.holder, Lease):
-            preparing = s.holder.id in c._preparing  # held while its restore/erase runs
-            assert (c._leases.get(s.holder.id) is s.holder or preparing) and s.holder.slot_id == s.id
-    for lease in c._leases.values():
+            preparing = s.holder.id in c.pool.preparing  # held while its restore/erase runs
+            assert (c.leases.get(s.holder.id) is s.holder or preparing) and s.holder.slot_id == s.id
+    for lease in c.leases:
         assert c.servers["local"].slots[lease.slot_id].holder is lease
     assert h.fake.violations == []
 
@@ -131,7 +131,7 @@ async def test_randomized_concurrency_keeps_every_invariant(tmp_path: Path, seed
                 await c.session_event(session, "flush")
 
     await asyncio.gather(*(client(100) for _ in range(24)))  # 2,400 acquire/release pairs
-    assert c._leases == {} and all(s.holder is None for s in c.servers["local"].slots.values())
+    assert len(c.leases) == 0 and all(s.holder is None for s in c.servers["local"].slots.values())
     assert (
         outcomes.get("restored", 0) > 100 and outcomes.get("resident", 0) > 0 and outcomes.get("cold", 0) > 0
     )

@@ -1,0 +1,212 @@
+"""Bringing a session into a slot: find its snapshot, verify it, restore it, or start cold (spec §23-25).
+
+`Restorer.load()` runs while the caller holds the slot and the slot's previous owner is already saved:
+the server's runtime is proven (RuntimeGuard), the newest generation that fits it is checked on disk (the
+store: size, header, checksum, fingerprint) and handed to llama-server; anything unusable costs a cold
+start (the slot is erased), never a wrong conversation (Invariant 5). After the first inference,
+`verify_reuse()` checks that the engine actually reused what was restored (Invariant 10).
+
+Only evidence about a file invalidates it (the store's checks). A failure the server causes never does:
+- refused (HTTP 400, a token count that differs): this runtime cannot take this file; it is not offered
+  to this fingerprint again (in memory), and the runtime is re-proven (when in doubt, re-fingerprint);
+- the server died under the restore: the same, so a file that crashes the server is not retried;
+- unreachable, unsupported, timeout: nothing is known about the file; it stays as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from kvsidecar.config import Config
+from kvsidecar.coordinator.breaker import BreakerState
+from kvsidecar.coordinator.runtime import RuntimeGuard
+from kvsidecar.coordinator.server import ServerRuntime
+from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
+from kvsidecar.coordinator.state import AcquireResult, Outcome, SessionRuntime, Slot
+from kvsidecar.coordinator.telemetry import Telemetry
+from kvsidecar.errors import BackendUnavailable, ConnectionLost, KvError, RestoreFailed
+from kvsidecar.store.fingerprint import RuntimeFingerprint
+from kvsidecar.store.snapshots import Candidate, Rejection, SnapshotStore
+
+
+class Restorer:
+    def __init__(
+        self,
+        *,
+        config: Config,
+        store: SnapshotStore,
+        sessions: SessionTable,
+        guard: RuntimeGuard,
+        telemetry: Telemetry,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.sessions = sessions
+        self.guard = guard
+        self.telemetry = telemetry
+
+    async def load(self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, result: AcquireResult) -> None:
+        """Restore the session's snapshot into the slot, or erase the slot for a cold start."""
+        proven = await self.guard.same_runtime(srv, slot)
+        trial = proven and srv.breaker.state is BreakerState.HALF_OPEN
+        persist_ok = proven and srv.breaker.allow()
+        try:
+            await self._load(srv, slot, rt, result, persist_ok)
+        finally:
+            if trial and persist_ok:  # this call held the half-open trial: it ends here, whatever happened
+                srv.breaker.end_trial()
+
+    async def _load(
+        self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, result: AcquireResult, persist_ok: bool
+    ) -> None:
+        fingerprint = srv.fingerprint  # the one proven for this instance just now
+        if not persist_ok:
+            # Invariant 5: persistence failure defaults to cold inference.
+            result.outcome = Outcome.COLD_FALLBACK
+            result.reason = (
+                "circuit open" if srv.breaker.state is BreakerState.OPEN else "persistence unavailable"
+            )
+            if self.config.failure.strict:
+                raise BackendUnavailable(
+                    f"persistence for server {srv.name} is unavailable ({result.reason})"
+                )
+        elif self.config.restore.enabled and fingerprint is not None:
+            candidate, rejections = await self._find(srv, rt, fingerprint)
+            first = rejections[0].reason if rejections else None
+            if candidate is not None and await self._restore(
+                srv, slot, rt, candidate, fingerprint, result, first
+            ):
+                return
+            if candidate is None:
+                self.telemetry.restore_miss(srv.name)
+            if rejections and result.outcome is Outcome.COLD:
+                result.outcome, result.reason = Outcome.COLD_FALLBACK, rejections[0].reason
+                self.sessions.apply(rt, SessionEvent.REJECTED)
+        reachable = srv.available and srv.breaker.state is not BreakerState.OPEN
+        await self._cold(srv, slot, rt, result, erase=persist_ok or reachable)
+
+    async def _find(
+        self, srv: ServerRuntime, rt: SessionRuntime, fingerprint: RuntimeFingerprint
+    ) -> tuple[Candidate | None, list[Rejection]]:
+        try:
+            candidate, rejections = await asyncio.to_thread(
+                self.store.find_restorable, rt.identity, fingerprint, max_tokens=srv.slot_n_ctx
+            )
+        except KvError as exc:  # the manifest could not be read: this session is cold, nothing else fails
+            self.telemetry.unreadable(rt, exc)
+            return None, []
+        if candidate is not None and (candidate.generation, fingerprint.digest) in rt.refused:
+            return None, []  # this runtime already refused exactly this file: not handed over again
+        for rej in rejections:
+            self.telemetry.rejected(rt, rej)
+        return candidate, rejections
+
+    async def _restore(
+        self,
+        srv: ServerRuntime,
+        slot: Slot,
+        rt: SessionRuntime,
+        candidate: Candidate,
+        fingerprint: RuntimeFingerprint,
+        result: AcquireResult,
+        fallback_reason: str | None,
+    ) -> bool:
+        self.telemetry.restore_start(srv.name, slot.id, rt, candidate)
+        self.sessions.apply(rt, SessionEvent.RESTORE_BEGIN)
+        epoch = srv.epoch
+        try:
+            restored = await self.guard.persist(
+                srv, srv.backend.restore_slot(slot.id, candidate.record.filename)
+            )
+            if restored.tokens != candidate.record.tokens:
+                raise RestoreFailed(
+                    f"server restored {restored.tokens} tokens, the snapshot has {candidate.record.tokens}"
+                )
+        except asyncio.CancelledError:
+            self.sessions.apply(rt, SessionEvent.RESTORE_FAILED)
+            raise
+        except KvError as exc:
+            await self._failed(srv, slot, rt, candidate, exc, result)
+            return False
+        # The closing bracket: a restart during the restore means the KV went into an unknown runtime.
+        if not await self.guard.same_runtime(srv) or srv.epoch != epoch or srv.fingerprint != fingerprint:
+            result.outcome, result.reason = Outcome.COLD_FALLBACK, "server restarted during restore"
+            self.sessions.apply(rt, SessionEvent.RESTORE_FAILED)
+            self.telemetry.restore_voided(rt)
+            return False
+        if not await asyncio.to_thread(self.store.confirm_unchanged, candidate):
+            # The name no longer is the file we verified: llama-server may have read something else.
+            with contextlib.suppress(KvError):
+                self.store.mark_invalid(rt.key, candidate.generation, "SNAPSHOT_FILE_UNSAFE")
+            result.outcome, result.reason = Outcome.COLD_FALLBACK, "SNAPSHOT_FILE_UNSAFE"
+            self.sessions.apply(rt, SessionEvent.RESTORE_FAILED)
+            self.telemetry.restore_voided(rt)
+            return False
+        self.guard.breaker_success(srv)
+        result.outcome, result.restored_tokens = Outcome.RESTORED, restored.tokens
+        result.restore_ms, result.restore_server_ms = round(restored.measured_ms, 3), restored.server_ms
+        result.actions.append(f"restore {rt.identity.short}")
+        if candidate.fallback:
+            result.reason = f"previous generation ({fallback_reason or 'fallback'})"
+        self.sessions.apply(rt, SessionEvent.RESTORED)
+        rt.verify_tokens, rt.saved_revision = restored.tokens, rt.dirty_revision
+        slot.tokens = restored.tokens
+        self.telemetry.restored(srv.name, restored.bytes_read, restored.measured_ms)
+        self.store.touch(rt.key, persist=False)
+        return True
+
+    async def _failed(
+        self,
+        srv: ServerRuntime,
+        slot: Slot,
+        rt: SessionRuntime,
+        candidate: Candidate,
+        exc: KvError,
+        result: AcquireResult,
+    ) -> None:
+        if not isinstance(exc, RestoreFailed):  # a refusal of one file says nothing about the server
+            self.guard.breaker_failure(srv, exc)
+        self.telemetry.restore_failed(srv.name, rt, exc)
+        if srv.fingerprint is not None and isinstance(exc, RestoreFailed | ConnectionLost):
+            rt.refused.add((candidate.generation, srv.fingerprint.digest))
+        result.outcome, result.reason = Outcome.COLD_FALLBACK, exc.code
+        self.sessions.apply(rt, SessionEvent.RESTORE_FAILED)
+        rt.last_error = exc.code
+        if isinstance(exc, RestoreFailed):  # when in doubt, re-fingerprint (unless the instance is proven)
+            slot.owner = None
+            await self.guard.same_runtime(srv, slot)
+        if self.config.failure.strict:
+            raise exc
+
+    async def _cold(
+        self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, result: AcquireResult, *, erase: bool
+    ) -> None:
+        """Spec §53: erase the slot and let the engine prefill; the next checkpoint makes the snapshot."""
+        if erase:
+            try:
+                await self.guard.persist(srv, srv.backend.erase_slot(slot.id))
+                self.guard.breaker_success(srv)
+                result.actions.append("erase")
+            except KvError as exc:
+                # Leftover KV is harmless for correctness (the engine only reuses an exact token prefix).
+                self.guard.breaker_failure(srv, exc)
+                self.telemetry.erase_failed(slot.id, exc)
+        slot.tokens = 0
+        rt.verify_tokens = None
+        self.sessions.apply(rt, SessionEvent.COLD_START)
+        self.telemetry.cold(srv.name, result.reason)
+
+    def verify_reuse(
+        self, srv: ServerRuntime, rt: SessionRuntime, prompt_tokens: int | None, cached_tokens: int | None
+    ) -> str:
+        """Invariant 10: an HTTP-successful restore is not a usable one until the engine reused it (§24)."""
+        restored, rt.verify_tokens = rt.verify_tokens or 0, None
+        if cached_tokens is None:
+            result = "unknown"
+        else:
+            expected = restored if prompt_tokens is None else min(restored, prompt_tokens + cached_tokens)
+            ok = expected == 0 or cached_tokens >= self.config.restore.min_reuse_ratio * expected
+            result = "effective" if ok else "ineffective"
+        self.telemetry.restore_verified(srv.name, rt, result, restored, cached_tokens, prompt_tokens)
+        return result

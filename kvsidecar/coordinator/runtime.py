@@ -1,0 +1,139 @@
+"""Which runtime each server is, proven before a snapshot is restored into it or recorded from it.
+
+`RuntimeGuard` keeps every server's fingerprint true (issue 16 A): it probes, re-fingerprints after a
+restart, measures the runtime canary (canary.py) on the server's reference slot, and brackets every
+restore and save commit with `same_runtime()`: is the server still the instance its fingerprint was made
+for? When it is not, or cannot be told, it re-probes and re-fingerprints first, and the residency of
+every slot is forgotten (the next request restores instead of trusting an emptied slot).
+
+It also owns the two things every call to a server goes through: the bound on a persistence call
+(`persist`, spec §59) and the breaker's bookkeeping of its failures (spec §33).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from kvsidecar.coordinator.canary import measure_canary
+from kvsidecar.coordinator.pool import SlotPool
+from kvsidecar.coordinator.server import RefreshResult, ServerRuntime
+from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
+from kvsidecar.coordinator.state import Slot
+from kvsidecar.coordinator.telemetry import Telemetry
+from kvsidecar.errors import BackendError, BackendUnavailable, KvError, OperationTimeout
+
+T = TypeVar("T")
+MARGIN_S = 5.0
+
+
+class RuntimeGuard:
+    def __init__(self, *, sessions: SessionTable, pool: SlotPool, telemetry: Telemetry) -> None:
+        self.sessions = sessions
+        self.pool = pool
+        self.telemetry = telemetry
+
+    async def probe_loop(self, srv: ServerRuntime) -> None:
+        while True:
+            await asyncio.sleep(srv.config.probe_interval_s)
+            await self.refresh(srv)
+
+    async def refresh(
+        self, srv: ServerRuntime, *, slot: Slot | None = None, force: bool = False
+    ) -> RefreshResult:
+        """Re-probe (and, when needed, re-fingerprint) a server; one refresh per server at a time, so an
+        acquire that needs a fingerprint waits for the one being built (a whole-file model hash).
+
+        `slot`: a slot the caller holds and whose content is forfeit, on which the canary may run.
+        """
+        async with srv.refresh_lock:
+            result = await srv.refresh(force=force)
+            if result.restarted:
+                self.forget_residency(srv, result.reason or "restart")
+            if srv.needs_canary:
+                await self._canary(srv, slot)
+        if not result.available and srv.caps is None:
+            self.telemetry.server_unavailable(srv.name, srv.last_error)
+        return result
+
+    async def same_runtime(self, srv: ServerRuntime, slot: Slot | None = None) -> bool:
+        """The bracket of every restore and save commit: True when the server provably is the instance
+        its fingerprint was made for (re-fingerprinting first when it is not, or cannot be told)."""
+        if srv.available and srv.fingerprint is not None:
+            same = await srv.same_instance()
+            if same is True:
+                return True
+            forfeit = slot is not None and slot.owner is None
+            if same is None and forfeit and slot is not None and slot.id != srv.canary_slot_id:
+                # Nothing tells instances apart and the canary can only be re-measured on the reference
+                # slot: this restore cannot be proven, so it does not happen (the fingerprint stays).
+                await self.refresh(srv)
+                return False
+            await self.refresh(srv, slot=slot, force=same is None and forfeit)
+        else:
+            await self.refresh(srv, slot=slot)
+        return srv.available and srv.fingerprint is not None
+
+    def forget_residency(self, srv: ServerRuntime, reason: str) -> None:
+        """The server lost (or may have lost) every slot's content: believe nothing is resident."""
+        srv.epoch += 1
+        self.telemetry.server_restarted(srv.name, reason)
+        for slot in srv.slots.values():
+            self.disown(slot)  # unsaved progress is gone with the server
+
+    def disown(self, slot: Slot) -> None:
+        if (rt := self.sessions.get(slot.owner)) is not None:
+            rt.saved_revision = rt.dirty_revision
+            self.sessions.apply(rt, SessionEvent.LOST)
+        slot.owner, slot.holds_aux, slot.tokens = None, False, None
+
+    async def _canary(self, srv: ServerRuntime, slot: Slot | None) -> None:
+        """Measure the canary on the reference slot: on `slot` when it is that slot and its content is
+        forfeit, else on it when it is free (its owner, which without a fingerprint could never be saved
+        or trusted, gives it up); else it stays pending: the probe loop and the next acquire try again,
+        and until then nothing is restored or saved. Always the same slot: a state file differs with it."""
+        ref = srv.slots.get(srv.canary_slot_id)
+        if ref is None:
+            return
+        own = ref is not slot
+        if own and not self.pool.try_take(srv, ref, "canary"):
+            return
+        if not own and ref.owner is not None:
+            return
+        if own:
+            self.disown(ref)
+        epoch = srv.epoch
+        try:
+            digest = await self.persist(srv, measure_canary(srv.backend, ref.id, srv.config.snapshot_dir))
+            if srv.epoch == epoch and await srv.same_instance() is not False:
+                srv.set_canary(digest)
+                self.telemetry.canary(srv.name, digest)
+        except KvError as exc:
+            srv.canary_failures += 1
+            self.telemetry.canary_failed(srv.name, exc)
+        finally:
+            ref.tokens = 0
+            if own:
+                self.pool.give_back(srv, ref)
+
+    async def persist(self, srv: ServerRuntime, op: Awaitable[T]) -> T:
+        """A persistence call with its own bound (spec §59), independent of any inference timeout."""
+        try:
+            return await asyncio.wait_for(op, srv.config.persist_timeout_s + MARGIN_S)
+        except TimeoutError:
+            raise OperationTimeout(
+                f"persistence call to {srv.name} ran past {srv.config.persist_timeout_s}s"
+            ) from None
+
+    def breaker_failure(self, srv: ServerRuntime, exc: KvError) -> None:
+        if not isinstance(exc, BackendError):
+            return
+        if srv.breaker.failure(exc.code):
+            self.telemetry.circuit_open(srv.name, exc.code, srv.breaker.cooldown_s)
+        if isinstance(exc, BackendUnavailable | OperationTimeout):
+            srv.available = False  # the next bracket or probe re-checks, and says whether it restarted
+
+    def breaker_success(self, srv: ServerRuntime) -> None:
+        if srv.breaker.success():
+            self.telemetry.circuit_recovered(srv.name)

@@ -1,0 +1,132 @@
+"""Saving a slot into its session's next snapshot generation (spec §26-28, §41).
+
+`Saver.save()` runs while the caller holds the slot. It is bracketed like a restore (issue 16 A): the
+server must provably be the instance its fingerprint was made for before the save and again before the
+manifest commit, else the file is discarded and nothing is recorded; an empty save (a slot emptied by a
+restart) is never recorded. A save never targets the newest generation that still verifies (the store
+picks the target), so a failed save can never cost the last good snapshot.
+
+Coalescing (spec §27): a session whose saved revision equals its dirty one is not saved again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from kvsidecar.config import Config
+from kvsidecar.coordinator.breaker import BreakerState
+from kvsidecar.coordinator.runtime import RuntimeGuard
+from kvsidecar.coordinator.server import ServerRuntime
+from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
+from kvsidecar.coordinator.state import SessionRuntime, Slot
+from kvsidecar.coordinator.telemetry import Telemetry
+from kvsidecar.errors import KvError, SaveFailed
+from kvsidecar.store.snapshots import SavePlan, SnapshotStore
+
+
+class Saver:
+    def __init__(
+        self,
+        *,
+        config: Config,
+        store: SnapshotStore,
+        sessions: SessionTable,
+        guard: RuntimeGuard,
+        telemetry: Telemetry,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.sessions = sessions
+        self.guard = guard
+        self.telemetry = telemetry
+        self.monotonic = monotonic
+        # Called (on the loop) after every save attempt that wrote or failed to write: the daemon checks
+        # its retention limits then (a full disk is a reason to run retention now).
+        self.after_save: Callable[[], None] | None = None
+
+    async def save(
+        self,
+        srv: ServerRuntime,
+        slot: Slot,
+        rt: SessionRuntime,
+        *,
+        trigger: str,
+        actions: list[str] | None = None,
+    ) -> bool:
+        """Checkpoint the slot into the session's next generation. True if saved (or nothing to save)."""
+        if not rt.dirty:
+            return True
+        trial = srv.breaker.state is BreakerState.HALF_OPEN
+        if srv.fingerprint is None or not srv.available or not srv.breaker.allow():
+            self.telemetry.save_refused(srv.name, "KV_BACKEND_UNAVAILABLE")
+            return False
+        try:
+            with self.sessions.busy_with(rt.key):
+                return await self._save(srv, slot, rt, trigger=trigger, actions=actions)
+        finally:
+            if trial:  # this call held the half-open trial
+                srv.breaker.end_trial()
+
+    async def _save(
+        self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, *, trigger: str, actions: list[str] | None
+    ) -> bool:
+        fingerprint, epoch, revision = srv.fingerprint, srv.epoch, rt.dirty_revision
+        resident = slot.owner == rt.key
+        if not await self.guard.same_runtime(srv) or srv.epoch != epoch or srv.fingerprint != fingerprint:
+            # The server restarted since this slot was filled: its content is gone, nothing to save.
+            self.telemetry.save_refused(srv.name, "KV_SERVER_RESTARTED")
+            return False
+        assert fingerprint is not None
+        self.sessions.apply(rt, SessionEvent.SAVE_BEGIN)
+        self.telemetry.save_start(rt, trigger, slot.id)
+        started = self.monotonic()
+        plan: SavePlan | None = None
+        try:
+            plan = await asyncio.to_thread(self.store.begin_save, rt.identity, fingerprint=fingerprint)
+            saved = await self.guard.persist(srv, srv.backend.save_slot(slot.id, plan.filename))
+            if saved.tokens <= 0:
+                raise SaveFailed("llama-server saved an empty slot (it lost the session's KV); not recorded")
+            # The closing bracket: a file written by another instance is not this session's KV.
+            if not await self.guard.same_runtime(srv) or srv.epoch != epoch or srv.fingerprint != fingerprint:
+                raise SaveFailed("llama-server restarted during the save; the file is discarded")
+            await asyncio.to_thread(
+                self.store.commit_save,
+                plan,
+                saved,
+                fingerprint=fingerprint,
+                revision=revision,
+                session_seq=rt.seq,
+            )
+        except KvError as exc:
+            self._abort(plan)
+            self.guard.breaker_failure(srv, exc)
+            self.telemetry.save_failed(srv.name, rt, trigger, exc)
+            self.sessions.apply(rt, SessionEvent.SAVE_FAILED, resident=slot.owner == rt.key)
+            rt.last_error = exc.code
+            if self.config.failure.strict:
+                raise
+            return False
+        except BaseException:  # cancelled: no half-written file left behind, no session stuck in SAVING
+            self._abort(plan)
+            self.sessions.apply(rt, SessionEvent.SAVE_FAILED, resident=resident)
+            raise
+        self.guard.breaker_success(srv)
+        rt.saved_revision = max(rt.saved_revision, revision)
+        self.sessions.apply(rt, SessionEvent.SAVED, resident=slot.owner == rt.key)
+        self.telemetry.saved(
+            srv.name, rt, trigger, saved.tokens, saved.bytes_written, (self.monotonic() - started) * 1000
+        )
+        if actions is not None:
+            actions.append(f"save {rt.identity.short}")
+        if self.after_save is not None:
+            self.after_save()
+        return True
+
+    def _abort(self, plan: SavePlan | None) -> None:
+        if plan is not None:
+            self.store.abort_save(plan, discard=True)
+        if self.after_save is not None:
+            self.after_save()

@@ -1,0 +1,156 @@
+"""The session table and the session state machine (spec §18).
+
+`SessionTable` owns every `SessionRuntime` the coordinator knows: by identity key and by session id, which
+of them an operation is busy with (retention keeps off those), and when one holds nothing any more (no
+snapshot, no slot, no lease: forgotten, so memory does not grow with every session id seen once).
+
+`transition()` is the only place a session's state changes, like `breaker.py` for the breaker:
+
+    NONE/SAVED/INVALID --restore_begin--> RESTORING --restored--> ACTIVE_CLEAN --ran--> ACTIVE_DIRTY
+    (any) --cold_start--> COLD (INVALID stays INVALID: its snapshot was rejected)
+    ACTIVE_* --save_begin--> SAVING --saved--> ACTIVE_CLEAN (resident) | resting
+    SAVING --save_failed--> ACTIVE_DIRTY (resident) | resting
+    (any) --evicted | lost | restore_failed--> resting;  (any) --rejected | invalidated--> INVALID
+
+"resting" is what the store says: SAVED with a valid snapshot, INVALID with only invalid ones, else NONE.
+Everything here runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from enum import StrEnum
+
+from kvsidecar.coordinator.state import SessionRuntime, SessionState
+from kvsidecar.store.naming import SnapshotIdentity, validate_session_id
+from kvsidecar.store.snapshots import SnapshotStore
+
+
+class SessionEvent(StrEnum):
+    RESTORE_BEGIN = "restore_begin"
+    RESTORED = "restored"
+    RESTORE_FAILED = "restore_failed"
+    COLD_START = "cold_start"
+    RAN = "ran"  # an inference on the session's slot succeeded: the slot moved past the snapshot
+    SAVE_BEGIN = "save_begin"
+    SAVED = "saved"
+    SAVE_FAILED = "save_failed"
+    EVICTED = "evicted"
+    LOST = "lost"  # the server lost the slot's content (restart)
+    REJECTED = "rejected"  # every snapshot generation was refused
+    INVALIDATED = "invalidated"  # an operator invalidated the snapshot
+
+
+def transition(
+    state: SessionState, event: SessionEvent, *, resident: bool, resting: SessionState
+) -> SessionState:
+    """The next state of a session. `resting` is the state the store alone would give it."""
+    match event:
+        case SessionEvent.RESTORE_BEGIN:
+            return SessionState.RESTORING
+        case SessionEvent.RESTORED:
+            return SessionState.ACTIVE_CLEAN
+        case SessionEvent.COLD_START:
+            return state if state is SessionState.INVALID else SessionState.COLD
+        case SessionEvent.RAN:
+            return SessionState.ACTIVE_DIRTY
+        case SessionEvent.SAVE_BEGIN:
+            return SessionState.SAVING
+        case SessionEvent.SAVED:
+            return SessionState.ACTIVE_CLEAN if resident else resting
+        case SessionEvent.SAVE_FAILED:
+            return SessionState.ACTIVE_DIRTY if resident else resting
+        case SessionEvent.REJECTED | SessionEvent.INVALIDATED:
+            return SessionState.INVALID
+        case SessionEvent.EVICTED | SessionEvent.LOST | SessionEvent.RESTORE_FAILED:
+            return resting
+    raise AssertionError(f"unhandled session event {event}")  # pragma: no cover
+
+
+class SessionTable:
+    def __init__(self, store: SnapshotStore) -> None:
+        self.store = store
+        self.by_key: dict[str, SessionRuntime] = {}
+        self.by_session_id: dict[str, set[str]] = {}
+        self.busy: dict[str, int] = {}  # keys being restored or saved right now (retention keeps off)
+
+    def get(self, key: str | None) -> SessionRuntime | None:
+        return self.by_key.get(key) if key is not None else None
+
+    def runtime(self, identity: SnapshotIdentity) -> SessionRuntime:
+        rt = self.by_key.get(identity.key)
+        if rt is None:
+            rt = SessionRuntime(identity=identity)
+            rt.state = self.resting(rt)
+            self.by_key[identity.key] = rt
+            self.by_session_id.setdefault(identity.session_id, set()).add(identity.key)
+        return rt
+
+    def resting(self, rt: SessionRuntime) -> SessionState:
+        manifest = self.store.get(rt.key)
+        if manifest is None:
+            return SessionState.NONE
+        return SessionState.SAVED if manifest.has_valid else SessionState.INVALID
+
+    def apply(self, rt: SessionRuntime, event: SessionEvent, *, resident: bool = False) -> None:
+        resting = self.resting(rt) if event in _NEEDS_RESTING else rt.state
+        rt.state = transition(rt.state, event, resident=resident, resting=resting)
+
+    def is_dirty(self, key: str) -> bool:
+        rt = self.by_key.get(key)
+        return rt is not None and rt.dirty
+
+    def known(self, session_id: str) -> list[SessionRuntime]:
+        """Every identity of a session id: in memory, or only on disk (loaded then)."""
+        validate_session_id(session_id)
+        keys = set(self.by_session_id.get(session_id, set()))
+        keys |= {m.key for m in self.store.all() if m.session_id == session_id}
+        out = []
+        for key in keys:
+            rt = self.by_key.get(key)
+            if rt is None and (m := self.store.get(key)) is not None:
+                rt = self.runtime(m.identity)
+            if rt is not None:
+                out.append(rt)
+        return out
+
+    def drop(self, rt: SessionRuntime) -> None:
+        if rt.idle_timer is not None:
+            rt.idle_timer.cancel()
+            rt.idle_timer = None
+        self.by_key.pop(rt.key, None)
+        keys = self.by_session_id.get(rt.identity.session_id)
+        if keys is not None:
+            keys.discard(rt.key)
+            if not keys:
+                del self.by_session_id[rt.identity.session_id]
+
+    def forget_idle(self, held: set[str]) -> int:
+        """Drop sessions that hold nothing: no snapshot, no slot or lease (`held`), no progress."""
+        dropped = 0
+        for key, rt in list(self.by_key.items()):
+            if key in held or key in self.busy or rt.dirty or self.store.get(key) is not None:
+                continue
+            self.drop(rt)
+            dropped += 1
+        return dropped
+
+    @contextlib.contextmanager
+    def busy_with(self, key: str) -> Iterator[None]:
+        self.busy[key] = self.busy.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            self.busy[key] -= 1
+            if not self.busy[key]:
+                del self.busy[key]
+
+
+_NEEDS_RESTING = {
+    SessionEvent.SAVED,
+    SessionEvent.SAVE_FAILED,
+    SessionEvent.EVICTED,
+    SessionEvent.LOST,
+    SessionEvent.RESTORE_FAILED,
+}

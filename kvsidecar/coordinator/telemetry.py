@@ -1,0 +1,259 @@
+"""What the coordinator tells the outside: structured log events and Prometheus metrics, in one place.
+
+Each method is one thing that happened; it logs it (spec §45: session ids abbreviated at info level) and
+counts it. The counters are the only record: `stats()` (shown by `status`) reads them back, so the status
+page and `/metrics` can never disagree.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvsidecar.coordinator.state import Lease, Outcome, SessionRuntime
+from kvsidecar.errors import KvError
+from kvsidecar.logs import event
+from kvsidecar.metrics import Metrics
+from kvsidecar.store.naming import short_id
+from kvsidecar.store.snapshots import Candidate, Rejection
+
+log = logging.getLogger("kvsidecar.coordinator")
+
+
+def _total(metric: Any, **labels: str) -> int:
+    """Sum of a counter's `_total` samples whose labels include `labels`."""
+    total = 0.0
+    for family in metric.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return int(total)
+
+
+class Telemetry:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def stats(self) -> dict[str, int]:
+        m = self.metrics
+        return {
+            "acquires": _total(m.acquire),
+            "resident": _total(m.acquire, outcome=Outcome.RESIDENT.value),
+            "restores": _total(m.restore),
+            "restore_hits": _total(m.restore_hit),
+            "restore_failures": _total(m.restore_failure),
+            "restore_ineffective": _total(m.restore_verified, result="ineffective"),
+            "cold_starts": _total(m.acquire, outcome=Outcome.COLD.value),
+            "cold_fallbacks": _total(m.acquire, outcome=Outcome.COLD_FALLBACK.value),
+            "saves": _total(m.save),
+            "save_failures": _total(m.save_failure),
+            "switches": _total(m.switch),
+            "server_restarts": _total(m.server_restarts),
+            "leases_expired": _total(m.leases_expired),
+        }
+
+    # servers ------------------------------------------------------------------------------------------
+    def server_restarted(self, server: str, reason: str) -> None:
+        self.metrics.server_restarts.labels(server).inc()
+        event(log, logging.WARNING, "kv.backend.restarted", server=server, reason=reason)
+
+    def server_unavailable(self, server: str, error: str | None) -> None:
+        event(log, logging.WARNING, "kv.backend.unavailable", server=server, error=error)
+
+    def canary(self, server: str, digest: str) -> None:
+        event(log, logging.INFO, "kv.backend.canary", server=server, digest=digest[:12])
+
+    def canary_failed(self, server: str, exc: KvError) -> None:
+        event(
+            log, logging.WARNING, "kv.backend.canary.failed", server=server, code=exc.code, error=exc.message
+        )
+
+    def circuit_open(self, server: str, code: str, cooldown_s: float) -> None:
+        self.metrics.circuit_open.labels(server).inc()
+        event(
+            log, logging.ERROR, "kv.persistence.circuit_open", server=server, code=code, cooldown_s=cooldown_s
+        )
+
+    def circuit_recovered(self, server: str) -> None:
+        event(log, logging.INFO, "kv.persistence.circuit_recovered", server=server)
+
+    # acquire and release ------------------------------------------------------------------------------
+    def acquired(self, server: str, slot: int, outcome: Outcome, session_id: str | None) -> None:
+        self.metrics.acquire.labels(server, outcome.value).inc()
+        # debug level: the full id is allowed here
+        event(
+            log,
+            logging.DEBUG,
+            "kv.slot.acquire",
+            server=server,
+            slot=slot,
+            outcome=outcome.value,
+            session=session_id,
+        )
+
+    def switch(self, server: str, slot: int, rt: SessionRuntime, evicted: str | None) -> None:
+        self.metrics.switch.labels(server).inc()
+        event(
+            log,
+            logging.INFO,
+            "kv.session.switch",
+            server=server,
+            slot=slot,
+            to=rt.identity.short,
+            evicted=evicted,
+        )
+
+    def loaded(self, server: str, slot: int, rt: SessionRuntime, result: Any) -> None:
+        name = "kv.session.restore.success" if result.outcome is Outcome.RESTORED else "kv.session.cold"
+        event(
+            log,
+            logging.INFO,
+            name,
+            server=server,
+            slot=slot,
+            session=rt.identity.short,
+            tokens=result.restored_tokens,
+            restore_ms=result.restore_ms,
+            reason=result.reason,
+            evicted=result.evicted,
+        )
+
+    def released(
+        self, lease: Lease, status: str, prompt_tokens: int | None, cached_tokens: int | None
+    ) -> None:
+        event(
+            log,
+            logging.DEBUG,
+            "kv.slot.release",
+            server=lease.server,
+            slot=lease.slot_id,
+            status=status,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
+            session=lease.session_id,
+        )
+
+    def lease_expired(self, lease: Lease) -> None:
+        self.metrics.leases_expired.labels(lease.server).inc()
+        session = short_id(lease.session_id) if lease.session_id else None
+        event(
+            log, logging.WARNING, "kv.lease.expired", server=lease.server, slot=lease.slot_id, session=session
+        )
+
+    # restore ------------------------------------------------------------------------------------------
+    def rejected(self, rt: SessionRuntime, rejection: Rejection) -> None:
+        self.metrics.invalidated.labels(rejection.reason).inc()
+        event(
+            log,
+            logging.WARNING,
+            "kv.snapshot.rejected",
+            session=rt.identity.short,
+            generation=rejection.generation,
+            reason=rejection.reason,
+            detail=rejection.detail,
+        )
+
+    def unreadable(self, rt: SessionRuntime, exc: KvError) -> None:
+        event(log, logging.WARNING, "kv.snapshot.unreadable", session=rt.identity.short, code=exc.code)
+
+    def restore_miss(self, server: str) -> None:
+        self.metrics.restore_miss.labels(server).inc()
+
+    def restore_start(self, server: str, slot: int, rt: SessionRuntime, candidate: Candidate) -> None:
+        self.metrics.restore.labels(server).inc()
+        event(
+            log,
+            logging.INFO,
+            "kv.session.restore.start",
+            session=rt.identity.short,
+            slot=slot,
+            generation=candidate.generation,
+            tokens=candidate.record.tokens,
+            bytes=candidate.record.bytes,
+        )
+
+    def restored(self, server: str, nbytes: int, ms: float) -> None:
+        self.metrics.restore_hit.labels(server).inc()
+        self.metrics.restore_bytes.labels(server).inc(nbytes)
+        self.metrics.restore_ms.labels(server).observe(ms)
+
+    def restore_failed(self, server: str, rt: SessionRuntime, exc: KvError) -> None:
+        self.metrics.restore_failure.labels(server, exc.code).inc()
+        event(
+            log,
+            logging.WARNING,
+            "kv.session.restore.failed",
+            session=rt.identity.short,
+            code=exc.code,
+            error=exc.message,
+        )
+
+    def restore_voided(self, rt: SessionRuntime) -> None:
+        event(log, logging.WARNING, "kv.session.restore.voided", session=rt.identity.short)
+
+    def restore_verified(
+        self,
+        server: str,
+        rt: SessionRuntime,
+        result: str,
+        restored: int,
+        reused: int | None,
+        computed: int | None,
+    ) -> None:
+        self.metrics.restore_verified.labels(server, result).inc()
+        if result == "ineffective":
+            event(
+                log,
+                logging.ERROR,
+                "kv.session.restore.ineffective",
+                session=rt.identity.short,
+                restored=restored,
+                reused=reused,
+                computed=computed,
+                hint="the engine recomputed the prompt after a restore: SWA/hybrid model without --swa-full?",
+            )
+
+    def cold(self, server: str, reason: str | None) -> None:
+        self.metrics.cold.labels(server, reason or "no snapshot").inc()
+
+    def erase_failed(self, slot: int, exc: KvError) -> None:
+        event(log, logging.WARNING, "kv.slot.erase.failed", slot=slot, code=exc.code)
+
+    # save ---------------------------------------------------------------------------------------------
+    def save_start(self, rt: SessionRuntime, trigger: str, slot: int) -> None:
+        event(
+            log, logging.INFO, "kv.session.save.start", session=rt.identity.short, trigger=trigger, slot=slot
+        )
+
+    def save_refused(self, server: str, code: str) -> None:
+        """A save that was not attempted (persistence unavailable, the server restarted, ...)."""
+        self.metrics.save_failure.labels(server, code).inc()
+
+    def saved(
+        self, server: str, rt: SessionRuntime, trigger: str, tokens: int, nbytes: int, ms: float
+    ) -> None:
+        self.metrics.save.labels(server, trigger).inc()
+        self.metrics.save_bytes.labels(server).inc(nbytes)
+        self.metrics.save_ms.labels(server).observe(ms)
+        event(
+            log,
+            logging.INFO,
+            "kv.session.save.success",
+            session=rt.identity.short,
+            trigger=trigger,
+            tokens=tokens,
+            bytes=nbytes,
+            save_ms=round(ms, 1),
+        )
+
+    def save_failed(self, server: str, rt: SessionRuntime, trigger: str, exc: KvError) -> None:
+        self.metrics.save_failure.labels(server, exc.code).inc()
+        event(
+            log,
+            logging.WARNING,
+            "kv.session.save.failed",
+            session=rt.identity.short,
+            trigger=trigger,
+            code=exc.code,
+            error=exc.message,
+        )

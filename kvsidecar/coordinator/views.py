@@ -1,0 +1,135 @@
+"""What `GET /v1/status`, `GET /v1/sessions` and the CLI show: built in one place from the coordinator's
+state and the store (the CLI's offline view of a stopped daemon uses the same `session_view`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvsidecar.coordinator.pool import owner_slot
+from kvsidecar.coordinator.server import ServerRuntime
+from kvsidecar.coordinator.sessions import SessionTable
+from kvsidecar.coordinator.state import Lease, SessionRuntime, SessionState, Slot
+from kvsidecar.store.manifest import Manifest
+from kvsidecar.store.snapshots import SnapshotStore
+
+
+def session_view(
+    m: Manifest | None,
+    rt: SessionRuntime | None,
+    slot: Slot | None,
+    *,
+    full_id: bool,
+) -> dict[str, Any] | None:
+    """One (session, provider, model) as the API and the CLI show it; None if nothing is known."""
+    ident = rt.identity if rt else m.identity if m else None
+    if ident is None:
+        return None
+    state = rt.state if rt else SessionState.SAVED if m and m.has_valid else SessionState.INVALID
+    return {
+        "session": ident.session_id if full_id else ident.short,
+        "provider": ident.provider,
+        "model": ident.model,
+        "server": ident.server,
+        "state": state.value,
+        "resident_slot": slot.id if slot else None,
+        "dirty_revision": rt.dirty_revision if rt else 0,
+        "saved_revision": rt.saved_revision if rt else 0,
+        "last_error": rt.last_error if rt else None,
+        "snapshot": None if m is None else _snapshot_view(m),
+    }
+
+
+def _snapshot_view(m: Manifest) -> dict[str, Any]:
+    return {
+        "current": m.current,
+        "bytes": m.total_bytes,
+        "updated_at": m.updated_at,
+        "generations": {
+            g: {
+                "tokens": r.tokens,
+                "bytes": r.bytes,
+                "invalid_reason": r.invalid_reason,
+                "saved_at": r.saved_at,
+            }
+            for g, r in m.ordered_generations()
+        },
+    }
+
+
+def session_views(
+    sessions: SessionTable, store: SnapshotStore, servers: dict[str, ServerRuntime], session_id: str | None
+) -> list[dict[str, Any]]:
+    views = []
+    for key in set(sessions.by_key) | {m.key for m in store.all()}:
+        rt, m = sessions.get(key), store.get(key)
+        ident = rt.identity if rt else m.identity if m else None
+        if ident is None or (session_id is not None and ident.session_id != session_id):
+            continue
+        srv = servers.get(ident.server)
+        view = session_view(m, rt, owner_slot(srv, key) if srv else None, full_id=session_id is not None)
+        if view is not None:
+            views.append(view)
+    return sorted(views, key=lambda v: (v["server"], v["session"]))
+
+
+def status(
+    *,
+    enabled: bool,
+    servers: dict[str, ServerRuntime],
+    sessions: SessionTable,
+    store: SnapshotStore,
+    open_leases: int,
+    stats: dict[str, int],
+) -> dict[str, Any]:
+    manifests = store.all()
+    valid = sum(1 for m in manifests if m.has_valid)
+    return {
+        "enabled": enabled,
+        "servers": [server_view(srv, sessions) for srv in servers.values()],
+        "snapshots": {
+            "known": len(manifests),
+            "valid": valid,
+            "invalid": len(manifests) - valid,
+            "bad_manifests": len(store.bad_manifests()),
+            "bytes": sum(m.total_bytes for m in manifests),
+        },
+        "sessions_in_memory": len(sessions.by_key),
+        "leases": open_leases,
+        "stats": stats,
+    }
+
+
+def server_view(srv: ServerRuntime, sessions: SessionTable) -> dict[str, Any]:
+    def slot_state(s: Slot) -> str:
+        if isinstance(s.holder, Lease):
+            return "inference"
+        if isinstance(s.holder, str):
+            return s.holder
+        if s.owner is None:
+            return "aux" if s.holds_aux else "idle"
+        return "dirty" if sessions.is_dirty(s.owner) else "ready"
+
+    def owner(s: Slot) -> str | None:
+        rt = sessions.get(s.owner)
+        return rt.identity.short if rt else None
+
+    return {
+        "name": srv.name,
+        "kind": srv.backend.kind,
+        "endpoint": srv.config.base_url,
+        "mode": srv.config.mode.value,
+        "available": srv.available,
+        "persistence": srv.breaker.state.value,
+        "last_error": srv.last_error,
+        "fingerprint": srv.fingerprint.digest[:16] if srv.fingerprint else None,
+        "runtime": {
+            "identity": srv.identity_kind,
+            "canary": (srv.canary[:12] if srv.canary else "pending") if srv.config.runtime_canary else "off",
+            "canary_failures": srv.canary_failures,
+            "restarts_seen": srv.epoch,
+        },
+        "slots": [
+            {"id": s.id, "owner": owner(s), "state": slot_state(s), "tokens": s.tokens}
+            for s in sorted(srv.slots.values(), key=lambda s: s.id)
+        ],
+    }
