@@ -28,9 +28,10 @@ from common import machine, write
 from kvsidecar.backend.llamacpp import LlamaCppBackend
 from kvsidecar.config import config_from_mapping
 from kvsidecar.coordinator.core import Coordinator
+from kvsidecar.coordinator.state import AcquireResult
 from kvsidecar.store.fingerprint import FileDigestCache, find_llama_process
 from kvsidecar.store.snapshots import SnapshotStore
-from kvsidecar.testing.llama import LlamaServer, complete, llama_server_binary, vocab_dir, words
+from kvsidecar.testing.llama import LlamaServer, Timings, complete, llama_server_binary, vocab_dir, words
 from kvsidecar.testing.models import ModelShape, gemma3_270m, generate_llama_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +61,7 @@ def read_gbps(path: Path, *, cold: bool) -> float:
     return total / (time.perf_counter() - t0) / 1e9
 
 
-def timed_complete(base_url: str, prompt: str, slot_id: int) -> tuple[float, dict[str, Any]]:
+def timed_complete(base_url: str, prompt: str, slot_id: int) -> tuple[float, Timings]:
     t0 = time.perf_counter()
     t = complete(base_url, prompt, slot_id=slot_id, n_predict=1)
     return (time.perf_counter() - t0) * 1000, t
@@ -74,7 +75,7 @@ async def with_kvsidecar(server: LlamaServer, work: Path, prompt_a: str, prompt_
             "servers": {
                 "local": {
                     "base_url": server.base_url,
-                    "snapshot_dir": str(server.slot_save_path),
+                    "snapshot_dir": str(server.save_dir),
                     "probe_interval_s": 3600,
                     "persist_timeout_s": 600,
                 }
@@ -82,7 +83,7 @@ async def with_kvsidecar(server: LlamaServer, work: Path, prompt_a: str, prompt_
             "checkpoint": {"idle_s": None},
         }
     )
-    store = SnapshotStore(state_dir=cfg.state_dir, snapshot_dirs={"local": server.slot_save_path})  # type: ignore[dict-item]
+    store = SnapshotStore(state_dir=cfg.state_dir, snapshot_dirs={"local": server.save_dir})
     store.open()
     c = Coordinator(
         config=cfg,
@@ -94,29 +95,30 @@ async def with_kvsidecar(server: LlamaServer, work: Path, prompt_a: str, prompt_
     await c.start()
     out: dict[str, Any] = {}
 
-    async def turn(session: str, prompt: str) -> tuple[float, Any, dict[str, Any]]:
+    async def turn(session: str, prompt: str) -> tuple[float, AcquireResult, Timings]:
         t0 = time.perf_counter()
         r = await c.acquire(session, provider="local", model="m")
-        _, t = await asyncio.to_thread(timed_complete, server.base_url, prompt, r.slot_id)  # type: ignore[arg-type]
-        await c.release(r.lease_id, status="ok", prompt_tokens=t["prompt_n"], cached_tokens=t["cache_n"])  # type: ignore[arg-type]
+        assert r.slot_id is not None and r.lease_id is not None
+        _, t = await asyncio.to_thread(timed_complete, server.base_url, prompt, r.slot_id)
+        await c.release(r.lease_id, status="ok", prompt_tokens=t["prompt_n"], cached_tokens=t["cache_n"])
         return (time.perf_counter() - t0) * 1000, r, t
 
     try:
         out["cold_ms"], _, t = await turn("A", prompt_a)
-        out["tokens"] = int(t["prompt_n"]) + int(t["cache_n"])
+        out["tokens"] = t["prompt_n"] + t["cache_n"]
         for label, cold_cache in (("warm", False), ("dropped", True)):
             await turn("B", prompt_b)  # saves A (first time), takes the slot
             manifest = c.store.get(next(iter(c.sessions.by_session_id["A"])))
             assert manifest is not None and manifest.current is not None
             # the generation the restore will read
-            snap = server.slot_save_path / manifest.generations[manifest.current].filename  # type: ignore[operator]
+            snap = server.save_dir / manifest.generations[manifest.current].filename
             if cold_cache:
                 drop_cache(snap)
             ms, r, t = await turn("A", prompt_a + f" again {label}")
             out[f"restored_{label}_ttft_ms"] = ms
             out[f"restore_{label}_ms"] = r.restore_ms
             out[f"restore_{label}_server_ms"] = r.restore_server_ms
-            out[f"reused_{label}"] = int(t["cache_n"])
+            out[f"reused_{label}"] = t["cache_n"]
         out["snapshot_bytes"] = snap.stat().st_size
         out["read_cold_gbps"] = read_gbps(snap, cold=True)
         out["read_warm_gbps"] = read_gbps(snap, cold=False)

@@ -37,7 +37,7 @@ def start_daemon(work: Path, llama: LlamaServer) -> tuple[DaemonProcess, str]:
     daemon = DaemonProcess(
         work / "kvsidecar",
         base_url=llama.base_url,
-        snapshot_dir=llama.slot_save_path,  # type: ignore[arg-type]
+        snapshot_dir=llama.save_dir,
         token=TOKEN,
         checkpoint={"idle_s": None},
         logging={"level": "warning"},
@@ -87,10 +87,10 @@ def bench_restore(c: httpx.Client, llama: LlamaServer, rounds: int, tokens: int)
     prompt = words("restoreA", tokens)
     lease = acquire(c, "A")
     t = complete(llama.base_url, prompt, slot_id=lease["slot_id"])
-    release(c, lease["lease_id"], prompt_tokens=int(t["prompt_n"]), cached_tokens=int(t["cache_n"]))
+    release(c, lease["lease_id"], prompt_tokens=t["prompt_n"], cached_tokens=t["cache_n"])
     c.post("/v1/sessions/A/save").raise_for_status()
     overhead, restore_ms, acquire_ms, checksum_ms, call_ms = [], [], [], [], []
-    snapshot = next(llama.slot_save_path.glob("*.bin"))  # type: ignore[union-attr]
+    snapshot = next(llama.save_dir.glob("*.bin"))
     for _ in range(rounds):
         other = acquire(c, "B")  # evicts A (clean: no save), B starts cold
         release(c, other["lease_id"], status="aborted")  # B stays clean: the next acquire only restores
@@ -148,7 +148,8 @@ def main() -> int:
             with httpx.Client(
                 base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, transport=transport
             ) as c:
-                resident = bench_resident(c, psutil.Process(proc.proc.pid), args.calls)  # type: ignore[union-attr]
+                assert proc.proc is not None
+                resident = bench_resident(c, psutil.Process(proc.proc.pid), args.calls)
                 restore = bench_restore(c, llama, args.rounds, args.tokens)
         finally:
             proc.stop()

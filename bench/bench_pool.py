@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -20,7 +21,7 @@ from common import summary, write
 from tests.unit.coordinator_helpers import conversation, start_harness
 
 
-async def run(slots: int, clients: int, pairs: int, sessions: int) -> dict[str, object]:
+async def run(slots: int, clients: int, pairs: int, sessions: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         h = await start_harness(
             Path(tmp),
@@ -42,9 +43,10 @@ async def run(slots: int, clients: int, pairs: int, sessions: int) -> dict[str, 
                 waits.append((time.perf_counter() - t0) * 1000)
                 outcomes[r.outcome.value] = outcomes.get(r.outcome.value, 0) + 1
                 turns[s] = turns.get(s, 0) + 1
-                h.fake.infer(r.slot_id, conversation(s, min(turns[s], 8), 16))  # type: ignore[arg-type]
+                assert r.slot_id is not None and r.lease_id is not None
+                h.fake.infer(r.slot_id, conversation(s, min(turns[s], 8), 16))
                 await asyncio.sleep(0)  # the model call: other clients run meanwhile
-                await c.release(r.lease_id, status="ok")  # type: ignore[arg-type]
+                await c.release(r.lease_id, status="ok")
 
         started = time.perf_counter()
         await asyncio.gather(*(client(pairs // clients) for _ in range(clients)))
@@ -69,7 +71,7 @@ def main() -> int:
     results += [asyncio.run(run(n, 64, 6400, n)) for n in (1, 4, 16)]
     print(write("pool", {"runs": results}))
     for r in results:
-        a: dict[str, float] = r["acquire_ms"]  # type: ignore[assignment]
+        a: dict[str, float] = r["acquire_ms"]
         print(
             f"{r['slots']:>2} slots, {r['sessions']:>3} sessions: {r['pairs_per_s']:,.0f} acquire+release/s; "
             f"acquire p50 {a['p50']:.2f} ms, p99 {a['p99']:.2f} ms; outcomes {r['outcomes']}"

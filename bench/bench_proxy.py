@@ -61,7 +61,7 @@ def start_kvsidecar(work: Path, llama: LlamaServer) -> tuple[DaemonProcess, str]
     daemon = DaemonProcess(
         work / "kvsidecar",
         base_url=llama.base_url,
-        snapshot_dir=llama.slot_save_path,  # type: ignore[arg-type]
+        snapshot_dir=llama.save_dir,
         token=TOKEN,
         logging={"level": "warning"},
         proxy={"enabled": True},

@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_store import populate
@@ -16,7 +17,7 @@ from common import summary, write
 
 from kvsidecar.config import RetentionConfig
 from kvsidecar.metrics import Metrics
-from kvsidecar.retention import Disk, FileInfo, Policy, RetentionJob, plan
+from kvsidecar.retention import Disk, FileInfo, Kind, Policy, RetentionJob, plan
 from kvsidecar.store.snapshots import SnapshotStore
 
 ROOMY = Disk(total_bytes=10**13, free_bytes=10**13)
@@ -28,7 +29,8 @@ def synthetic(n: int) -> list[FileInfo]:
     for i in range(n):
         key = f"{i:032x}"
         used = 1.8e9 - rng.uniform(0, 40 * 86400)
-        for gen, kind in (("a", "current"), ("b", "previous")):
+        pairs: tuple[tuple[str, Kind], ...] = (("a", "current"), ("b", "previous"))
+        for gen, kind in pairs:
             files.append(
                 FileInfo(
                     name=f"{key}.{gen}.bin",
@@ -40,11 +42,11 @@ def synthetic(n: int) -> list[FileInfo]:
                     generation=gen,
                     protected=i < 4,
                 )
-            )  # type: ignore[arg-type]
+            )
     return files
 
 
-def bench_plan(n: int, runs: int) -> dict[str, object]:
+def bench_plan(n: int, runs: int) -> dict[str, Any]:
     files = synthetic(n)
     total = sum(f.bytes for f in files)
     policy = Policy(max_total_bytes=int(total * 0.7), max_sessions=int(n * 0.8), max_age_s=30 * 86400)
@@ -63,7 +65,7 @@ def bench_plan(n: int, runs: int) -> dict[str, object]:
     }
 
 
-def bench_pass(n_snapshots: int, delete: int) -> dict[str, object]:
+def bench_pass(n_snapshots: int, delete: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         root = Path(tmp)
         populate(root, n_snapshots)
@@ -95,7 +97,7 @@ def main() -> int:
     result = {"plan": bench_plan(10_000, 7), "gc_pass": bench_pass(2_000, 500)}
     print(write("retention", result))
     p, g = result["plan"], result["gc_pass"]
-    print(f"plan over {p['snapshots']:,} snapshots: p50 {p['ms']['p50']:.0f} ms")  # type: ignore[index]
+    print(f"plan over {p['snapshots']:,} snapshots: p50 {p['ms']['p50']:.0f} ms")
     print(f"gc pass deleting {g['files_deleted']:,} files: {g['ms']:.0f} ms ({g['ms_per_file']:.2f} ms/file)")
     return 0
 

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import summary, write
@@ -49,7 +50,7 @@ def populate(root: Path, n: int) -> None:
         )
 
 
-def bench_reconcile(n: int, runs: int) -> dict[str, object]:
+def bench_reconcile(n: int, runs: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         root = Path(tmp)
         populate(root, n)
@@ -76,7 +77,7 @@ def raw_read_gbps(path: Path) -> float:
     return total / (time.perf_counter() - started) / 1e9
 
 
-def bench_checksum(size: int, runs: int) -> dict[str, object]:
+def bench_checksum(size: int, runs: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         path = Path(tmp) / "big.bin"
         with path.open("wb") as f:
@@ -99,7 +100,7 @@ def bench_checksum(size: int, runs: int) -> dict[str, object]:
     }
 
 
-def bench_manifest_writes(n: int) -> dict[str, object]:
+def bench_manifest_writes(n: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         d = Path(tmp)
         ident = SnapshotIdentity(server="local", provider="p", model="m", session_id="s")
@@ -128,14 +129,14 @@ def main() -> int:
     }
     print(write("store", result))
     r, c, w = result["reconcile"], result["checksum"], result["manifest_write"]
-    print(f"reconcile {r['manifests']} manifests: p50 {r['ms']['p50']:.0f} ms")  # type: ignore[index]
+    print(f"reconcile {r['manifests']} manifests: p50 {r['ms']['p50']:.0f} ms")
     print(
         f"checksum 1 GiB: p50 {c['xxh3_gbps']['p50']:.2f} GB/s (plain read {c['plain_read_gbps']['p50']:.2f})"
-    )  # type: ignore[index]
+    )
     print(
         f"manifest write: p50 {w['fsync_ms']['p50']:.2f} ms with fsync, "
         f"{w['no_fsync_ms']['p50']:.3f} ms without"
-    )  # type: ignore[index]
+    )
     return 0
 
 

@@ -73,6 +73,8 @@ class ReleaseBody(_Body):
     status: ReleaseStatus
     prompt_tokens: Annotated[int, Field(ge=0)] | None = None
     cached_tokens: Annotated[int, Field(ge=0)] | None = None
+    # llama-server's timings.prompt_ms for the computed tokens: teaches the cost model the prefill speed
+    prompt_ms: Annotated[float, Field(ge=0, lt=1e9)] | None = None
 
 
 class EventBody(_Body):
@@ -149,6 +151,7 @@ def _hook_routes(coordinator: Coordinator) -> list[Route]:
             status=body.status,
             prompt_tokens=body.prompt_tokens,
             cached_tokens=body.cached_tokens,
+            prompt_ms=body.prompt_ms,
         )
 
     return [

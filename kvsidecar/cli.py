@@ -1,4 +1,5 @@
-"""The `kvsidecar` command: a thin adapter over the service, the client, the store and the doctor.
+"""The `kvsidecar` command: a thin adapter over the service, the client, the store and the doctor
+(its text output is in `cli_text`).
 
 Exit codes: 0 success (doctor: READY); 1 the operation failed (doctor: NOT READY); 2 bad usage or
 configuration, or (serve) another daemon holds the state directory; 3 the daemon is not reachable;
@@ -15,14 +16,16 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 from urllib.parse import urlsplit
 
 import httpx
 
 from kvsidecar import __version__
+from kvsidecar.cli_text import render_doctor, render_gc, render_sessions, render_status
+from kvsidecar.cli_text import table as table  # re-exported: tests import it from here
 from kvsidecar.config import Config, load_config
 from kvsidecar.errors import KvError
 from kvsidecar.logs import configure
@@ -38,22 +41,6 @@ class Unreachable(Exception):
 
 def _load(args: argparse.Namespace) -> Config:
     return load_config(args.config)
-
-
-def table(rows: Sequence[Sequence[Any]], head: Sequence[str]) -> str:
-    cells = [[str(h) for h in head]] + [["" if c is None else str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 # talking to the daemon -------------------------------------------------------------------------------
@@ -125,36 +112,8 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _render_status(s: dict[str, Any]) -> str:
-    out = []
-    for srv in s["servers"]:
-        out.append(
-            f"server {srv['name']} ({srv['endpoint']}): {'up' if srv['available'] else 'DOWN'}, "
-            f"persistence {srv['persistence']}, mode {srv['mode']}"
-        )
-        out.append(
-            table(
-                [[sl["id"], sl["state"], sl["owner"], sl["tokens"]] for sl in srv["slots"]],
-                ["slot", "state", "owner", "tokens"],
-            )
-        )
-    snap = s["snapshots"]
-    out.append(
-        f"snapshots: {snap['known']} known, {snap['valid']} valid, {snap['invalid']} invalid, "
-        f"{human_bytes(snap['bytes'])}; leases open: {s['leases']}"
-    )
-    st = s["stats"]
-    out.append(
-        f"acquires {st['acquires']} (resident {st['resident']}), "
-        f"restores {st['restore_hits']}/{st['restores']} ok, cold {st['cold_starts']}, "
-        f"fallbacks {st['cold_fallbacks']}, saves {st['saves']}"
-        f" ({st['save_failures']} failed), ineffective restores {st['restore_ineffective']}"
-    )
-    return "\n".join(out)
-
-
 def cmd_status(args: argparse.Namespace) -> int:
-    _emit(args, _call(_load(args), "GET", "/v1/status"), _render_status)
+    _emit(args, _call(_load(args), "GET", "/v1/status"), render_status)
     return EXIT_OK
 
 
@@ -173,29 +132,6 @@ def _offline_sessions(config: Config) -> list[dict[str, Any]]:
     return [v for v in views if v is not None]
 
 
-def _render_sessions(views: list[dict[str, Any]]) -> str:
-    rows = []
-    for v in views:
-        snap = v.get("snapshot") or {}
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(snap["updated_at"])) if snap else ""
-        rows.append(
-            [
-                v["session"],
-                v["provider"],
-                v["model"],
-                v["state"],
-                v.get("resident_slot"),
-                human_bytes(snap.get("bytes", 0)) if snap else "",
-                when,
-            ]
-        )
-    return (
-        table(rows, ["session", "provider", "model", "state", "slot", "snapshot", "saved"])
-        if rows
-        else "no sessions"
-    )
-
-
 def cmd_sessions(args: argparse.Namespace) -> int:
     config = _load(args)
     try:
@@ -205,7 +141,7 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     except Unreachable:
         print("kvsidecar: daemon not reachable; listing the state directory instead", file=sys.stderr)
         views = _offline_sessions(config)
-    _emit(args, views, _render_sessions)
+    _emit(args, views, render_sessions)
     return EXIT_OK
 
 
@@ -232,31 +168,6 @@ def cmd_session_op(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _render_gc(r: dict[str, Any]) -> str:
-    rows = [
-        [
-            d["reason"],
-            d["snapshot"] or "-",
-            d["generation"] or "-",
-            human_bytes(d["bytes"]),
-            d["file"][:24],
-            {True: "deleted", False: "kept"}.get(d.get("deleted"), "planned"),
-        ]
-        for d in r["deletions"]
-    ]
-    head = "dry run: nothing deleted" if r["dry_run"] else f"freed {human_bytes(r['freed_bytes'])}"
-    lines = [
-        table(rows, ["reason", "snapshot", "gen", "bytes", "file", "action"])
-        if rows
-        else "nothing to delete",
-        f"{head}; {human_bytes(r['bytes_before'])} -> {human_bytes(r['bytes_after'])}, "
-        f"{r['snapshots_before']} -> {r['snapshots_after']} snapshots",
-    ]
-    if r["unmet"]:
-        lines.append(f"still over: {', '.join(r['unmet'])} (only protected snapshots left)")
-    return "\n".join(lines)
-
-
 def _offline_gc(config: Config) -> dict[str, Any]:
     from kvsidecar.metrics import Metrics
     from kvsidecar.retention import RetentionJob
@@ -278,20 +189,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         report = _offline_gc(config)
     else:
         report = _call(config, "POST", "/v1/gc", params={"dry_run": str(args.dry_run).lower()})
-    _emit(args, report, _render_gc)
+    _emit(args, report, render_gc)
     return EXIT_OK
-
-
-def _render_doctor(d: dict[str, Any]) -> str:
-    out = []
-    for srv in d["servers"]:
-        out.append(f"server {srv['server']} ({srv['endpoint']})")
-        for c in srv["checks"]:
-            out.append(f"  {c['status']:<4}  {c['name']}: {c['detail']}")
-            if c["fix"] and c["status"] in ("WARN", "FAIL"):
-                out.append(f"        fix: {c['fix']}")
-    out.append(f"Result: {d['result']}")
-    return "\n".join(out)
 
 
 def _offline_doctor(config: Config, deep: bool) -> dict[str, Any]:
@@ -322,7 +221,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         data = _call(config, "GET", "/v1/doctor", params={"deep": str(args.deep).lower()})
     except Unreachable:
         data = _offline_doctor(config, args.deep)  # no daemon: nothing else holds the slot
-    _emit(args, data, _render_doctor)
+    _emit(args, data, render_doctor)
     return {"READY": EXIT_OK, "DEGRADED": EXIT_DEGRADED}.get(data["result"], EXIT_FAILED)
 
 
@@ -368,6 +267,24 @@ def cmd_install_systemd(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+_Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def _add(
+    sub: _Commands,
+    name: str,
+    func: Callable[[argparse.Namespace], int],
+    help_: str,
+    *,
+    json_: bool = True,
+) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help_, description=help_)
+    p.set_defaults(func=func)
+    if json_:
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvsidecar",
@@ -384,40 +301,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="config file (default: $KVSIDECAR_CONFIG or /etc/kvsidecar/config.yaml)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def add(
-        name: str, func: Callable[[argparse.Namespace], int], help_: str, *, json_: bool = True
-    ) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_, description=help_)
-        p.set_defaults(func=func)
-        if json_:
-            p.add_argument("--json", action="store_true", help="machine-readable output")
-        return p
-
-    add(
+    _add(
+        sub,
         "serve",
         cmd_serve,
         "run the daemon (SIGTERM: checkpoint and exit; SIGHUP: reload config)",
         json_=False,
     )
-    add("status", cmd_status, "the running daemon's servers, slots, snapshots and counters")
-    p = add("sessions", cmd_sessions, "list known sessions (abbreviated ids)")
+    _add(sub, "status", cmd_status, "the running daemon's servers, slots, snapshots and counters")
+    _add_session_commands(sub)
+    _add_maintenance_commands(sub)
+    _add_install_commands(sub)
+    return parser
+
+
+def _add_session_commands(sub: _Commands) -> None:
+    p = _add(sub, "sessions", cmd_sessions, "list known sessions (abbreviated ids)")
     p.add_argument("--offline", action="store_true", help="read the state directory, not the daemon")
-    add("show", cmd_show, "one session in detail").add_argument("session")
+    _add(sub, "show", cmd_show, "one session in detail").add_argument("session")
     for op, help_ in (
         ("save", "checkpoint a session now"),
         ("invalidate", "mark a session's snapshots unusable"),
         ("purge", "delete a session's snapshots and manifests"),
     ):
-        add(op, cmd_session_op, help_).add_argument("session")
-    p = add("restore", cmd_session_op, "bring a session into its slot now")
+        _add(sub, op, cmd_session_op, help_).add_argument("session")
+    p = _add(sub, "restore", cmd_session_op, "bring a session into its slot now")
     p.add_argument("session")
     p.add_argument("--provider", required=True)
     p.add_argument("--model", required=True)
-    p = add("gc", cmd_gc, "apply retention now (or plan it with --dry-run)")
+
+
+def _add_maintenance_commands(sub: _Commands) -> None:
+    p = _add(sub, "gc", cmd_gc, "apply retention now (or plan it with --dry-run)")
     p.add_argument("--dry-run", action="store_true", help="show the plan, delete nothing")
     p.add_argument("--offline", action="store_true", help="plan from the state directory without the daemon")
-    p = add("doctor", cmd_doctor, "check the llama-server set-up: READY / DEGRADED / NOT READY")
+    p = _add(sub, "doctor", cmd_doctor, "check the llama-server set-up: READY / DEGRADED / NOT READY")
     p.add_argument(
         "--deep", action="store_true", help="also save, erase, restore and confirm the engine reuses it"
     )
@@ -428,7 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
     check = cfg.add_parser("check", help="validate the config file and name any bad key")
     check.add_argument("--json", action="store_true", help="print the effective configuration")
     check.set_defaults(func=cmd_config_check)
-    p = add(
+
+
+def _add_install_commands(sub: _Commands) -> None:
+    p = _add(
+        sub,
         "install-systemd",
         cmd_install_systemd,
         "render systemd units for kvsidecar and llama-server",
@@ -442,9 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config-path", help="config path the unit passes (default: --config)")
     p.add_argument("--llama-server", default="/usr/local/bin/llama-server")
     p.add_argument("--model", default="/var/lib/llama/models/model.gguf")
-    p = add("wait-ready", cmd_wait_ready, "wait until the daemon answers (systemd readiness)", json_=False)
+    p = _add(
+        sub, "wait-ready", cmd_wait_ready, "wait until the daemon answers (systemd readiness)", json_=False
+    )
     p.add_argument("--timeout", type=float, default=30.0)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

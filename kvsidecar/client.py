@@ -39,11 +39,19 @@ class Lease:
     actions: list[str] = field(default_factory=list)
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    prompt_ms: float | None = None
     release_result: dict[str, Any] | None = None
 
-    def report(self, *, prompt_tokens: int | None = None, cached_tokens: int | None = None) -> None:
-        """The engine's own numbers (timings.prompt_n, timings.cache_n), sent with the release."""
-        self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
+    def report(
+        self,
+        *,
+        prompt_tokens: int | None = None,
+        cached_tokens: int | None = None,
+        prompt_ms: float | None = None,
+    ) -> None:
+        """The engine's own numbers (timings.prompt_n, timings.cache_n, timings.prompt_ms), sent with the
+        release: the reuse check after a restore, and the cost model's prefill speed."""
+        self.prompt_tokens, self.cached_tokens, self.prompt_ms = prompt_tokens, cached_tokens, prompt_ms
 
 
 class KvSidecarClient:
@@ -114,8 +122,11 @@ class KvSidecarClient:
         status: str,
         prompt_tokens: int | None = None,
         cached_tokens: int | None = None,
+        prompt_ms: float | None = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {"status": status}
+        if prompt_ms is not None:
+            body["prompt_ms"] = prompt_ms
         if prompt_tokens is not None:
             body["prompt_tokens"] = prompt_tokens
         if cached_tokens is not None:
@@ -145,6 +156,7 @@ class KvSidecarClient:
                     status=status,
                     prompt_tokens=lease.prompt_tokens,
                     cached_tokens=lease.cached_tokens,
+                    prompt_ms=lease.prompt_ms,
                 )
 
     async def event(self, session_id: str, type_: str, *, seq: int | None = None) -> dict[str, Any]:

@@ -109,6 +109,14 @@ class CheckpointConfig(_Model):
     on_step_end: bool = False
     idle_s: float | None = Field(default=30.0, gt=0)
     shutdown_timeout_s: float = Field(default=60.0, gt=0)
+    # cost-aware: take the evicted session's save off the switch (a background save when the server is
+    # idle and the session has been idle longer than its save is predicted to take; no save when
+    # recomputing since the last snapshot is predicted cheaper than writing a new one). save-before-evict:
+    # every dirty slot is saved at the switch (the behaviour before issue 15).
+    policy: Literal["cost-aware", "save-before-evict"] = "cost-aware"
+    # A background save blocks the whole llama-server (its slot actions run in its main loop): by default
+    # one starts only when no other slot of that server is working.
+    clean_ahead_while_busy: bool = False
 
 
 class RestoreConfig(_Model):

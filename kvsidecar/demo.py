@@ -101,7 +101,8 @@ def print_table(rows: list[Row]) -> None:
             print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
 
 
-async def run(work: Path, tokens_a: int, tokens_b: int) -> list[Row]:
+def _servers(work: Path) -> tuple[LlamaServer, DaemonProcess]:
+    """llama-server (one slot, snapshots in work/snapshots, no RAM prompt cache) and the daemon beside it."""
     snapshots = work / "snapshots"
     llama = LlamaServer(
         binary=llama_server_binary(),
@@ -119,6 +120,12 @@ async def run(work: Path, tokens_a: int, tokens_b: int) -> list[Row]:
         token=TOKEN,
         servers={"local": {"probe_interval_s": 0.5}},
     )
+    return llama, daemon
+
+
+async def run(work: Path, tokens_a: int, tokens_b: int) -> list[Row]:
+    snapshots = work / "snapshots"
+    llama, daemon = _servers(work)
     turns = {"A": 0, "B": 0}
     rows: list[Row] = []
 

@@ -58,6 +58,34 @@ class Metrics:
             "kv_gc_deleted_bytes", "Bytes deleted by retention", ["reason"], registry=r
         )
 
+        self.save_skipped = Counter(
+            "kv_save_skipped",
+            "Evictions without a save, by reason (recompute_cheaper: the last snapshot is a prefix of the "
+            "slot and recomputing the rest is predicted cheaper than writing it)",
+            ["server", "reason"],
+            registry=r,
+        )
+        self.clean_ahead = Counter(
+            "kv_clean_ahead",
+            "Background saves of an idle likely-next victim, by result (saved, busy, not_victim, superseded)",
+            ["server", "result"],
+            registry=r,
+        )
+        self.cost = Gauge(
+            "kv_cost_estimate",
+            "The learned cost model: save/restore bytes per second, prefill tokens per second, KV bytes "
+            "per token",
+            ["server", "figure"],
+            registry=r,
+        )
+        self.think_seconds = Histogram(
+            "kv_think_seconds",
+            "Time from a session's release to its next acquire",
+            ["server"],
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 300, 1800),
+            registry=r,
+        )
+
         self.proxy_request = Counter(
             "kv_proxy_request",
             "Proxied requests: kind managed/passthrough/refused; result ok/error/aborted/unavailable or "

@@ -47,6 +47,7 @@ from kvsidecar.backend.llama_http import (
     find_timings,
     json_object,
     pin,
+    prompt_ms,
     read_api_key,
     token_counts,
 )
@@ -409,6 +410,7 @@ class _Release:
                 status=status,  # type: ignore[arg-type]
                 prompt_tokens=prompt_n,
                 cached_tokens=cache_n,
+                prompt_ms=prompt_ms(timings),
             )
 
 

@@ -81,10 +81,23 @@ class Policy:
         )
 
     def floor(self, disk: Disk) -> int | None:
-        floors = [f for f in (self.min_free_bytes,) if f is not None]
-        if self.min_free_percent is not None:
-            floors.append(math.ceil(disk.total_bytes * self.min_free_percent / 100))
-        return max(floors) if floors else None
+        return free_floor_bytes(
+            total_bytes=disk.total_bytes,
+            min_free_bytes=self.min_free_bytes,
+            min_free_percent=self.min_free_percent,
+        )
+
+
+def free_floor_bytes(
+    *, total_bytes: int, min_free_bytes: int | None, min_free_percent: float | None
+) -> int | None:
+    """The free space retention keeps on a disk of `total_bytes`: the larger of the two settings, a
+    percentage rounded up to a whole byte. None when neither is set. The one rule: retention's plan and
+    the doctor's disk check both use it."""
+    floors = [f for f in (min_free_bytes,) if f is not None]
+    if min_free_percent is not None:
+        floors.append(math.ceil(total_bytes * min_free_percent / 100))
+    return max(floors) if floors else None
 
 
 @dataclass(frozen=True, kw_only=True)

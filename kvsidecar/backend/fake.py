@@ -54,6 +54,17 @@ class _Knobs:
 
 
 @dataclass
+class Hold:
+    """A save or restore stopped in flight (see `FakeKvBackend.hold`)."""
+
+    entered: asyncio.Event = field(default_factory=asyncio.Event)  # the call is under way
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+@dataclass
 class _Slot:
     tokens: list[int] = field(default_factory=list)
     is_processing: bool = False
@@ -87,6 +98,7 @@ class FakeKvBackend:
         # Invariant 8 checker: which operation is running on each slot right now.
         self.busy: dict[int, str] = {}
         self.violations: list[str] = []
+        self._holds: dict[str, Hold] = {}
 
     # failure injection (spec §77) -------------------------------------------------------------------
     def fail_next_save(self, times: int = 1) -> None:
@@ -103,6 +115,18 @@ class FakeKvBackend:
 
     def delay_save(self, ms: float) -> None:
         self.knobs.save_delay_s = ms / 1000.0
+
+    def hold(self, op: str) -> Hold:
+        """Stop the next `op` ("save" or "restore") where a delay would sleep, until `Hold.release()`:
+        a test acts while the call is in flight (`await hold.entered.wait()`) without racing a timer."""
+        self._holds[op] = hold = Hold()
+        return hold
+
+    async def _held(self, op: str) -> None:
+        hold = self._holds.pop(op, None)
+        if hold is not None:
+            hold.entered.set()
+            await hold.released.wait()
 
     def set_unavailable(self, unavailable: bool = True) -> None:
         self.knobs.unavailable = unavailable
@@ -216,6 +240,7 @@ class FakeKvBackend:
         started = time.perf_counter()
         if self.knobs.save_delay_s:
             await asyncio.sleep(self.knobs.save_delay_s)
+        await self._held("save")
         if self.knobs.fail_saves:
             self.knobs.fail_saves -= 1
             raise SaveFailed(f"save slot {slot_id}: injected failure")
@@ -247,6 +272,7 @@ class FakeKvBackend:
         started = time.perf_counter()
         if self.knobs.restore_delay_s:
             await asyncio.sleep(self.knobs.restore_delay_s)
+        await self._held("restore")
         if self.knobs.fail_restores:
             self.knobs.fail_restores -= 1
             raise RestoreFailed(f"restore slot {slot_id}: injected failure")

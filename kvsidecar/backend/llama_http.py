@@ -173,6 +173,14 @@ def token_counts(timings: dict[str, Any] | None) -> tuple[int | None, int | None
     )
 
 
+def prompt_ms(timings: dict[str, Any] | None) -> float | None:
+    """llama-server's time for the prompt's computed tokens (`timings.prompt_ms`), when it reports one."""
+    value = timings.get("prompt_ms") if timings else None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e9:
+        return None
+    return float(value)
+
+
 # -- the API key -----------------------------------------------------------------------------------------
 _MAX_KEY_FILE_BYTES = 64 * 1024
 _HEADER_SAFE = re.compile(r"\A[\x21-\x7e]+\Z")  # visible ASCII: what a Bearer header can carry as is

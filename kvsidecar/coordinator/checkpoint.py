@@ -9,7 +9,18 @@ The decisions (spec §26-29, §50, §58, §71), each in one method:
 - `on_event()`: lifecycle hints (`flush`, `turn_end`, `step_end`, `disposed`) as configured.
 - `checkpoint_all()`: shutdown.
 
-This is the seam for cost-aware policies: they change these decisions, not the save mechanics (save.py).
+With `checkpoint.policy: cost-aware` (the default; issue 15) two decisions take the save off the switch,
+using the cost model learned online (costs.py); each falls back to save-before-evict whenever a figure it
+needs is unknown, so its worst case is today's behaviour:
+- *clean ahead*: after a release, once the session has been idle for as long as its save is predicted to
+  take (ski rental: a request of its own that lands during the save waits at most that long again), and
+  while its server is idle (no slot working, nobody waiting) and its slot is the one the next new session
+  would take, the slot is saved in the background; the switch then finds it clean. A `turn_end` hint
+  starts the check at once.
+- *skip a save*: at a switch, when the slot still extends the session's newest saved generation (every
+  turn since reused all of it: append-only history) and recomputing the tokens since is predicted cheaper
+  than writing the whole slot, nothing is saved; the next restore brings the older generation back and
+  llama-server recomputes only the difference.
 """
 
 from __future__ import annotations
@@ -21,12 +32,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvsidecar.config import Config
+from kvsidecar.coordinator.costs import CostModel
 from kvsidecar.coordinator.pool import SlotPool, owner_slot
 from kvsidecar.coordinator.save import Saver
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
-from kvsidecar.coordinator.state import AcquireResult, SessionRuntime, Slot
+from kvsidecar.coordinator.state import AcquireResult, Lease, SessionRuntime, Slot
+from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import KvError
+
+_MIN_CLEAN_AHEAD_S = 0.2
+_PROBE_KEY = "\0next-session"  # matches no session: pool.select() with it picks the next victim
 
 
 class CheckpointPolicy:
@@ -38,9 +54,13 @@ class CheckpointPolicy:
         sessions: SessionTable,
         pool: SlotPool,
         saver: Saver,
+        costs: CostModel,
+        telemetry: Telemetry,
         spawn: Callable[[Awaitable[Any]], asyncio.Task[Any]],
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.costs = costs
+        self.telemetry = telemetry
         self.config = config
         self.servers = servers
         self.sessions = sessions
@@ -56,12 +76,30 @@ class CheckpointPolicy:
         slot.owner = None
         if rt is None:
             return None
-        if rt.dirty and self.config.checkpoint.on_switch:
+        if rt.dirty and self.config.checkpoint.on_switch and not self._skip_save(srv, rt):
             await self.saver.save(srv, slot, rt, trigger="switch", actions=result.actions)
         if rt.dirty:  # not saved (policy off or failure): that progress is gone from the slot
             rt.saved_revision = rt.dirty_revision
         self.sessions.apply(rt, SessionEvent.EVICTED)
         return rt.identity.short
+
+    def _skip_save(self, srv: ServerRuntime, rt: SessionRuntime) -> bool:
+        """Cost-aware: is recomputing since the newest saved generation cheaper than saving the slot?"""
+        if self.config.checkpoint.policy != "cost-aware" or not rt.append_only:
+            return False
+        base, now = rt.base_tokens, rt.context_tokens
+        manifest = self.sessions.store.get(rt.key)
+        newest = (
+            next((rec for _, rec in manifest.ordered_generations() if rec.valid), None) if manifest else None
+        )
+        if base is None or now is None or newest is None or newest.tokens != base or now <= base:
+            return False
+        costs = self.costs.server(srv.name)
+        recompute_s, save_s = costs.prefill_s(now - base), costs.save_s(now)
+        if recompute_s is None or save_s is None or recompute_s >= save_s:
+            return False
+        self.telemetry.save_skipped(srv.name, rt, "recompute_cheaper", recompute_s, save_s)
+        return True
 
     async def checkpoint(self, rt: SessionRuntime, trigger: str, *, only_revision: int | None = None) -> bool:
         """Save a session where it is resident, waiting for its slot to be free. False if nothing saved."""
@@ -93,11 +131,15 @@ class CheckpointPolicy:
             "step_end": cp.on_step_end,
             "disposed": cp.on_disposed,
         }.get(type_, False)
+        if not wanted and type_ == "turn_end" and self.config.checkpoint.policy == "cost-aware":
+            return await self.clean_ahead(rt)  # the harness says the model is done for now: clean early
         return bool(wanted) and await self.checkpoint(rt, type_)
 
     # idle timers --------------------------------------------------------------------------------------
     def touched(self, rt: SessionRuntime) -> None:
-        """The session ran: push its idle deadline back; arm a timer only if none is pending."""
+        """The session ran: push its idle deadline back (a timer only if none is pending), and under the
+        cost-aware policy arm its clean-ahead check for when it has been idle as long as a save takes."""
+        self._arm_clean_ahead(rt)
         idle_s = self.config.checkpoint.idle_s
         if idle_s is None or not self.active:
             return
@@ -127,9 +169,51 @@ class CheckpointPolicy:
         with contextlib.suppress(KvError):
             await self.checkpoint(rt, "idle", only_revision=rt.dirty_revision)
 
+    # clean ahead ---------------------------------------------------------------------------------------
+    def _arm_clean_ahead(self, rt: SessionRuntime) -> None:
+        if rt.clean_timer is not None:
+            rt.clean_timer.cancel()
+            rt.clean_timer = None
+        if self.config.checkpoint.policy != "cost-aware" or not self.active or rt.context_tokens is None:
+            return
+        save_s = self.costs.server(rt.identity.server).save_s(rt.context_tokens)
+        if save_s is None:
+            return  # nothing learned yet: save-before-evict until the first save has been measured
+        key, revision = rt.key, rt.dirty_revision
+        rt.clean_timer = asyncio.get_running_loop().call_later(
+            max(_MIN_CLEAN_AHEAD_S, save_s), lambda: self.spawn(self._clean_ahead_timer(key, revision))
+        )
+
+    async def _clean_ahead_timer(self, key: str, revision: int) -> None:
+        rt = self.sessions.get(key)
+        if rt is None:
+            return
+        rt.clean_timer = None
+        if rt.dirty_revision == revision:  # a newer request re-armed it otherwise
+            with contextlib.suppress(KvError):
+                await self.clean_ahead(rt)
+
+    async def clean_ahead(self, rt: SessionRuntime) -> bool:
+        """Save a dirty, idle session in the background if its server is idle and it is the next victim."""
+        srv = self.servers.get(rt.identity.server)
+        slot = owner_slot(srv, rt.key) if srv else None
+        if srv is None or slot is None or not rt.dirty or not self.active:
+            return False
+        busy = any(isinstance(s.holder, Lease | str) for s in srv.slots.values() if s is not slot)
+        if not slot.free or srv.waiters or (busy and not self.config.checkpoint.clean_ahead_while_busy):
+            self.telemetry.clean_ahead(srv.name, rt, "busy")
+            return False
+        if self.pool.select(srv, _PROBE_KEY) is not slot:
+            self.telemetry.clean_ahead(srv.name, rt, "not_victim")
+            return False
+        saved = await self.checkpoint(rt, "clean_ahead", only_revision=rt.dirty_revision)
+        self.telemetry.clean_ahead(srv.name, rt, "saved" if saved else "superseded")
+        return saved
+
     def close(self) -> None:
         self.active = False
         for rt in self.sessions.by_key.values():
-            if rt.idle_timer is not None:
-                rt.idle_timer.cancel()
-                rt.idle_timer = None
+            for timer in (rt.idle_timer, rt.clean_timer):
+                if timer is not None:
+                    timer.cancel()
+            rt.idle_timer = rt.clean_timer = None

@@ -37,6 +37,7 @@ from kvsidecar.coordinator import views
 from kvsidecar.coordinator.breaker import CircuitBreaker
 from kvsidecar.coordinator.canary import sweep_canary_files
 from kvsidecar.coordinator.checkpoint import CheckpointPolicy
+from kvsidecar.coordinator.costs import CostModel
 from kvsidecar.coordinator.leases import LeaseTable
 from kvsidecar.coordinator.pool import SlotPool, owner_slot
 from kvsidecar.coordinator.restore import Restorer
@@ -80,30 +81,22 @@ class Coordinator:
         self.metrics = metrics or Metrics()
         self.clock = clock
         self.acquire_timeout_s = acquire_timeout_s
-        self.servers = {
-            name: ServerRuntime(
-                name=name,
-                config=cfg,
-                backend=backends[name],
-                breaker=CircuitBreaker(
-                    max_consecutive_failures=config.failure.max_consecutive_failures,
-                    cooldown_s=config.failure.cooldown_s,
-                    clock=monotonic,
-                ),
-                process_finder=process_finder,
-                process_check=process_check,
-                digests=digests,
-            )
-            for name, cfg in config.servers.items()
-        }
+        self.servers = _servers(config, backends, process_finder, process_check, digests, monotonic)
         self.scheduler = AsyncIOScheduler(timezone="UTC")  # the daemon's retention job runs on it
         self.telemetry = Telemetry(self.metrics)
+        self.costs = CostModel()
+        self.monotonic = monotonic
         self.sessions = SessionTable(store)
         self.pool = SlotPool(is_dirty=self.sessions.is_dirty, monotonic=monotonic)
         self.leases = LeaseTable(on_expire=self._on_lease_timer)
         self.guard = RuntimeGuard(sessions=self.sessions, pool=self.pool, telemetry=self.telemetry)
         self.restorer = Restorer(
-            config=config, store=store, sessions=self.sessions, guard=self.guard, telemetry=self.telemetry
+            config=config,
+            store=store,
+            sessions=self.sessions,
+            guard=self.guard,
+            telemetry=self.telemetry,
+            costs=self.costs,
         )
         self.saver = Saver(
             config=config,
@@ -111,6 +104,7 @@ class Coordinator:
             sessions=self.sessions,
             guard=self.guard,
             telemetry=self.telemetry,
+            costs=self.costs,
             monotonic=monotonic,
         )
         self.checkpoints = CheckpointPolicy(
@@ -119,6 +113,8 @@ class Coordinator:
             sessions=self.sessions,
             pool=self.pool,
             saver=self.saver,
+            costs=self.costs,
+            telemetry=self.telemetry,
             spawn=self.spawn,
             monotonic=monotonic,
         )
@@ -238,6 +234,9 @@ class Coordinator:
                 rt = self.sessions.runtime(identity)
                 if seq is not None:
                     rt.seq = seq
+                if rt.released_at is not None:  # think time: from its last release to this acquire
+                    self.telemetry.think(srv.name, self.monotonic() - rt.released_at)
+                    rt.released_at = None
                 with self.sessions.busy_with(rt.key):
                     result = await self._prepare(srv, slot, rt)
         except BaseException:
@@ -288,6 +287,7 @@ class Coordinator:
         status: ReleaseStatus,
         prompt_tokens: int | None = None,
         cached_tokens: int | None = None,
+        prompt_ms: float | None = None,
     ) -> dict[str, Any]:
         lease = self.leases.pop(lease_id)
         if lease is None:
@@ -297,15 +297,19 @@ class Coordinator:
         out: dict[str, Any] = {"released": True, "dirty": False}
         self.telemetry.released(lease, status, prompt_tokens, cached_tokens)
         rt = self.sessions.get(lease.key)
+        if prompt_tokens and prompt_ms is not None and status == "ok":
+            self.costs.observe_prefill(srv.name, tokens=prompt_tokens, ms=prompt_ms)
         if rt is not None and slot is not None and slot.owner == rt.key and status == "ok":
             rt.dirty_revision += 1
             self.sessions.apply(rt, SessionEvent.RAN)
             out.update(dirty=True, revision=rt.dirty_revision)
-            self.checkpoints.touched(rt)
+            _track_context(rt, prompt_tokens, cached_tokens)
             if rt.verify_tokens is not None:
                 out["restore_verification"] = self.restorer.verify_reuse(
                     srv, rt, prompt_tokens, cached_tokens
                 )
+            rt.released_at = self.monotonic()
+            self.checkpoints.touched(rt)
         if slot is not None:
             self.pool.give_back(srv, slot)
         return out
@@ -362,7 +366,7 @@ class Coordinator:
         for rt in self.sessions.known(session_id):
             m = self.store.get(rt.key)
             for gen, _ in m.ordered_generations() if m else []:
-                self.store.mark_invalid(rt.key, gen, INVALIDATED)
+                await asyncio.to_thread(self.store.mark_invalid, rt.key, gen, INVALIDATED)
                 marked += 1
             if m:
                 self.sessions.apply(rt, SessionEvent.INVALIDATED)
@@ -423,4 +427,45 @@ class Coordinator:
             store=self.store,
             open_leases=len(self.leases),
             stats=self.telemetry.stats(),
+            costs=self.costs.view(),
         )
+
+
+def _servers(
+    config: Config,
+    backends: dict[str, KvBackend],
+    process_finder: ProcessFinder | None,
+    process_check: Callable[[ProcessInfo], bool] | None,
+    digests: FileDigestCache | None,
+    monotonic: Callable[[], float],
+) -> dict[str, ServerRuntime]:
+    """One runtime per configured server, each with its own breaker (different servers share nothing)."""
+    return {
+        name: ServerRuntime(
+            name=name,
+            config=cfg,
+            backend=backends[name],
+            breaker=CircuitBreaker(
+                max_consecutive_failures=config.failure.max_consecutive_failures,
+                cooldown_s=config.failure.cooldown_s,
+                clock=monotonic,
+            ),
+            process_finder=process_finder,
+            process_check=process_check,
+            digests=digests,
+        )
+        for name, cfg in config.servers.items()
+    }
+
+
+def _track_context(rt: SessionRuntime, prompt_tokens: int | None, cached_tokens: int | None) -> None:
+    """After a turn: how many tokens the slot's prompt has, and whether the snapshot the slot extends is
+    still its prefix (the engine reused at least that much). Unknown counts end the append-only claim."""
+    if prompt_tokens is None or cached_tokens is None:
+        rt.append_only, rt.context_tokens = False, None
+        return
+    rt.context_tokens = prompt_tokens + cached_tokens
+    # A snapshot ends with the tokens the model generated; the next prompt carries the reply as the
+    # harness renders it, which may tokenize differently: a few trailing tokens may be recomputed.
+    if rt.base_tokens is None or cached_tokens + max(8, rt.base_tokens // 50) < rt.base_tokens:
+        rt.append_only = False

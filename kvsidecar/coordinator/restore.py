@@ -20,6 +20,7 @@ import contextlib
 
 from kvsidecar.config import Config
 from kvsidecar.coordinator.breaker import BreakerState
+from kvsidecar.coordinator.costs import CostModel
 from kvsidecar.coordinator.runtime import RuntimeGuard
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
@@ -39,7 +40,9 @@ class Restorer:
         sessions: SessionTable,
         guard: RuntimeGuard,
         telemetry: Telemetry,
+        costs: CostModel,
     ) -> None:
+        self.costs = costs
         self.config = config
         self.store = store
         self.sessions = sessions
@@ -138,7 +141,9 @@ class Restorer:
         if not await asyncio.to_thread(self.store.confirm_unchanged, candidate):
             # The name no longer is the file we verified: llama-server may have read something else.
             with contextlib.suppress(KvError):
-                self.store.mark_invalid(rt.key, candidate.generation, "SNAPSHOT_FILE_UNSAFE")
+                await asyncio.to_thread(
+                    self.store.mark_invalid, rt.key, candidate.generation, "SNAPSHOT_FILE_UNSAFE"
+                )
             result.outcome, result.reason = Outcome.COLD_FALLBACK, "SNAPSHOT_FILE_UNSAFE"
             self.sessions.apply(rt, SessionEvent.RESTORE_FAILED)
             self.telemetry.restore_voided(rt)
@@ -151,8 +156,14 @@ class Restorer:
             result.reason = f"previous generation ({fallback_reason or 'fallback'})"
         self.sessions.apply(rt, SessionEvent.RESTORED)
         rt.verify_tokens, rt.saved_revision = restored.tokens, rt.dirty_revision
-        slot.tokens = restored.tokens
+        rt.base_tokens = rt.context_tokens = slot.tokens = restored.tokens
+        rt.append_only = True
         self.telemetry.restored(srv.name, restored.bytes_read, restored.measured_ms)
+        ms = restored.server_ms if restored.server_ms else restored.measured_ms
+        self.costs.observe_transfer(
+            srv.name, kind="restore", nbytes=restored.bytes_read, tokens=restored.tokens, ms=ms
+        )
+        self.telemetry.costs(srv.name, self.costs.server(srv.name).view())
         self.store.touch(rt.key, persist=False)
         return True
 
@@ -193,7 +204,8 @@ class Restorer:
                 self.guard.breaker_failure(srv, exc)
                 self.telemetry.erase_failed(slot.id, exc)
         slot.tokens = 0
-        rt.verify_tokens = None
+        rt.verify_tokens = rt.base_tokens = rt.context_tokens = None
+        rt.append_only = False
         self.sessions.apply(rt, SessionEvent.COLD_START)
         self.telemetry.cold(srv.name, result.reason)
 

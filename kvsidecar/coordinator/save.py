@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from kvsidecar.config import Config
 from kvsidecar.coordinator.breaker import BreakerState
+from kvsidecar.coordinator.costs import CostModel
 from kvsidecar.coordinator.runtime import RuntimeGuard
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
@@ -35,8 +36,10 @@ class Saver:
         sessions: SessionTable,
         guard: RuntimeGuard,
         telemetry: Telemetry,
+        costs: CostModel,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.costs = costs
         self.config = config
         self.store = store
         self.sessions = sessions
@@ -101,7 +104,9 @@ class Saver:
                 session_seq=rt.seq,
             )
         except KvError as exc:
-            self._abort(plan)
+            if plan is not None:  # off the loop: it deletes the partial file
+                await asyncio.to_thread(self.store.abort_save, plan, discard=True)
+            self._after_save()
             self.guard.breaker_failure(srv, exc)
             self.telemetry.save_failed(srv.name, rt, trigger, exc)
             self.sessions.apply(rt, SessionEvent.SAVE_FAILED, resident=slot.owner == rt.key)
@@ -110,11 +115,19 @@ class Saver:
                 raise
             return False
         except BaseException:  # cancelled: no half-written file left behind, no session stuck in SAVING
-            self._abort(plan)
+            if plan is not None:  # on the loop: a cancelled task cannot wait for a thread
+                self.store.abort_save(plan, discard=True)
+            self._after_save()
             self.sessions.apply(rt, SessionEvent.SAVE_FAILED, resident=resident)
             raise
         self.guard.breaker_success(srv)
         rt.saved_revision = max(rt.saved_revision, revision)
+        rt.base_tokens, rt.append_only = saved.tokens, True
+        ms = saved.server_ms if saved.server_ms else saved.measured_ms
+        self.costs.observe_transfer(
+            srv.name, kind="save", nbytes=saved.bytes_written, tokens=saved.tokens, ms=ms
+        )
+        self.telemetry.costs(srv.name, self.costs.server(srv.name).view())
         self.sessions.apply(rt, SessionEvent.SAVED, resident=slot.owner == rt.key)
         self.telemetry.saved(
             srv.name, rt, trigger, saved.tokens, saved.bytes_written, (self.monotonic() - started) * 1000
@@ -125,8 +138,6 @@ class Saver:
             self.after_save()
         return True
 
-    def _abort(self, plan: SavePlan | None) -> None:
-        if plan is not None:
-            self.store.abort_save(plan, discard=True)
+    def _after_save(self) -> None:
         if self.after_save is not None:
             self.after_save()

@@ -49,6 +49,14 @@ class SessionRuntime:
     last_error: str | None = None  # the code of the last failed save or restore, shown in its view
     # (generation, fingerprint digest) pairs a server refused or crashed on: never offered to it again
     refused: set[tuple[str, str]] = field(default_factory=set)
+    # What the slot holds, for the cost-aware policy (checkpoint.py): the tokens of the snapshot the slot
+    # content extends (set by a restore or a save), the prompt size last reported, and whether every turn
+    # since kept that snapshot as a prefix (the engine reused at least its tokens: append-only history).
+    base_tokens: int | None = None
+    context_tokens: int | None = None
+    append_only: bool = False
+    released_at: float | None = None  # monotonic, for the think time between release and next acquire
+    clean_timer: asyncio.TimerHandle | None = None  # a pending clean-ahead check
 
     @property
     def key(self) -> str:

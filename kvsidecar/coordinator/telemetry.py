@@ -246,6 +246,32 @@ class Telemetry:
             save_ms=round(ms, 1),
         )
 
+    def costs(self, server: str, figures: dict[str, float | None]) -> None:
+        for figure, value in figures.items():
+            if value is not None:
+                self.metrics.cost.labels(server, figure).set(value)
+
+    def think(self, server: str, seconds: float) -> None:
+        self.metrics.think_seconds.labels(server).observe(seconds)
+
+    def save_skipped(
+        self, server: str, rt: SessionRuntime, reason: str, recompute_s: float, save_s: float
+    ) -> None:
+        self.metrics.save_skipped.labels(server, reason).inc()
+        event(
+            log,
+            logging.INFO,
+            "kv.session.save.skipped",
+            session=rt.identity.short,
+            reason=reason,
+            recompute_ms=round(recompute_s * 1000, 1),
+            save_ms=round(save_s * 1000, 1),
+        )
+
+    def clean_ahead(self, server: str, rt: SessionRuntime, result: str) -> None:
+        self.metrics.clean_ahead.labels(server, result).inc()
+        event(log, logging.DEBUG, "kv.session.clean_ahead", session=rt.identity.short, result=result)
+
     def save_failed(self, server: str, rt: SessionRuntime, trigger: str, exc: KvError) -> None:
         self.metrics.save_failure.labels(server, exc.code).inc()
         event(

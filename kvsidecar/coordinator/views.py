@@ -80,6 +80,7 @@ def status(
     store: SnapshotStore,
     open_leases: int,
     stats: dict[str, int],
+    costs: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
     manifests = store.all()
     valid = sum(1 for m in manifests if m.has_valid)
@@ -96,6 +97,7 @@ def status(
         "sessions_in_memory": len(sessions.by_key),
         "leases": open_leases,
         "stats": stats,
+        "cost_model": costs,
     }
 
 

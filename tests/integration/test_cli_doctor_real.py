@@ -95,7 +95,9 @@ def test_cli_against_a_live_daemon(daemon: tuple[Path, LlamaServer]) -> None:
     assert code == 0 and "server local" in out and "restores" in out
     code, out, _ = cli(config, "sessions", "--json")
     views = json.loads(out)
-    assert code == 0 and len(views) == 2 and {v["state"] for v in views} == {"saved", "active_dirty"}
+    states = {v["state"] for v in views}
+    # B is resident: dirty, or already cleaned ahead in the background by the cost-aware policy
+    assert code == 0 and len(views) == 2 and states in ({"saved", "active_dirty"}, {"saved", "active_clean"})
     code, out, _ = cli(config, "show", "sess-A", "--json")
     assert code == 0 and json.loads(out)["session"][0]["session"] == "sess-A"
     assert cli(config, "save", "sess-B")[0] == 0
@@ -118,7 +120,7 @@ def test_doctor_good_setup_with_deep_round_trip(start_llama: StartServer, tmp_pa
     code, out, _ = cli(write_config(tmp_path, server), "doctor", "--deep", "--offline")
     assert code == 0, out
     assert "Result: READY" in out and "restore reuse (deep)" in out and "a probe save appeared" in out
-    assert not list(server.slot_save_path.iterdir())  # type: ignore[union-attr]  # probes cleaned up
+    assert not list(server.save_dir.iterdir())  # probes cleaned up
 
 
 def test_doctor_deep_round_trip_with_llama_servers_api_key(start_llama: StartServer, tmp_path: Path) -> None:
@@ -132,7 +134,7 @@ def test_doctor_deep_round_trip_with_llama_servers_api_key(start_llama: StartSer
     daemon = DaemonProcess(
         tmp_path / "d",
         base_url=server.base_url,
-        snapshot_dir=server.slot_save_path,  # type: ignore[arg-type]
+        snapshot_dir=server.save_dir,
         token=TOKEN,
         servers={"local": {"api_key_file": str(key)}},
     ).start()
@@ -141,7 +143,7 @@ def test_doctor_deep_round_trip_with_llama_servers_api_key(start_llama: StartSer
         assert code == 0 and "OK    restore reuse (deep)" in out, out
     finally:
         daemon.stop()
-    assert not list(server.slot_save_path.iterdir())  # type: ignore[union-attr]
+    assert not list(server.save_dir.iterdir())
 
 
 def test_doctor_wrong_save_path(start_llama: StartServer, tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ async def test_switch_and_restore_sequence_with_real_reuse(start_llama: StartSer
         assert pn < (pn + cn) / 2  # only the new turn was computed, not the whole prompt
         assert out["restore_verification"] == "effective"
         fp = h.coordinator.servers["local"].fingerprint
-        assert fp is not None and fp.info.get("pid") == str(h.server.proc.pid)  # type: ignore[union-attr]
+        assert fp is not None and fp.info.get("pid") == str(h.server.pid)
     finally:
         await h.coordinator.aclose()
 
@@ -65,14 +65,14 @@ async def test_deleted_or_corrupt_snapshot_costs_a_cold_prefill_only(
     try:
         await h.turn("A")
         await h.turn("B")
-        snap = server.slot_save_path / ident("A").filename("a")  # type: ignore[operator]
+        snap = server.save_dir / ident("A").filename("a")
         snap.write_bytes(snap.read_bytes()[: snap.stat().st_size // 2])  # what a crash mid-save leaves
         r, _, pn, cn = await h.turn("A")
         assert r.outcome is Outcome.COLD_FALLBACK and r.reason == "SNAPSHOT_CORRUPT"
         assert "restore" not in h.calls() and server.alive  # restoring it would have aborted llama-server
         assert cn == 0 and pn > 1000
         await h.turn("B")
-        (server.slot_save_path / ident("A").filename("b")).unlink()  # type: ignore[operator]
+        (server.save_dir / ident("A").filename("b")).unlink()
         r, *_ = await h.turn("A")
         assert r.outcome is Outcome.COLD_FALLBACK and server.alive
     finally:
@@ -173,7 +173,7 @@ async def test_previous_generation_restores_when_the_current_is_gone(
         m = h.coordinator.store.get(ident("A").key)
         assert m is not None and m.current == "b" and set(m.generations) == {"a", "b"}
         older = m.generations["a"].tokens
-        (server.slot_save_path / ident("A").filename("b")).unlink()  # type: ignore[operator]
+        (server.save_dir / ident("A").filename("b")).unlink()
         r, _, pn, cn = await h.turn("A")
         assert r.outcome is Outcome.RESTORED and r.restored_tokens == older
         assert r.reason is not None and "SNAPSHOT_FILE_MISSING" in r.reason

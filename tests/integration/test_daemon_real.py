@@ -25,7 +25,7 @@ def daemon_config(server: LlamaServer, tmp_path: Path, port: int) -> dict[str, A
     (tmp_path / "token").write_text(TOKEN)
     return {
         "state_dir": str(tmp_path / "state"),
-        "servers": {"local": {"base_url": server.base_url, "snapshot_dir": str(server.slot_save_path)}},
+        "servers": {"local": {"base_url": server.base_url, "snapshot_dir": str(server.save_dir)}},
         "routes": {"local": "local"},
         "api": {
             "listen": f"127.0.0.1:{port}",
@@ -55,8 +55,8 @@ async def running_daemon(server: LlamaServer, tmp_path: Path) -> AsyncIterator[s
 async def harness_turn(kv: KvSidecarClient, session: str, n: int, llama: str) -> tuple[str, int, int]:
     async with kv.acquire(session, provider="local", model="tiny") as lease:
         t = await asyncio.to_thread(complete, llama, words(session, 600 * n), slot_id=lease.slot_id)
-        lease.report(prompt_tokens=int(t["prompt_n"]), cached_tokens=int(t["cache_n"]))  # type: ignore[call-overload]
-    return lease.outcome, int(t["prompt_n"]), int(t["cache_n"])  # type: ignore[call-overload]
+        lease.report(prompt_tokens=t["prompt_n"], cached_tokens=t["cache_n"])
+    return lease.outcome, t["prompt_n"], t["cache_n"]
 
 
 async def test_hooks_over_http_and_unix_socket(start_llama: StartServer, tmp_path: Path) -> None:
@@ -85,7 +85,7 @@ async def test_hooks_over_http_and_unix_socket(start_llama: StartServer, tmp_pat
 def test_sigterm_checkpoints_a_dirty_session(start_llama: StartServer, tmp_path: Path) -> None:
     """`kvsidecar serve` as a process: SIGTERM saves the dirty slot before exiting."""
     server = start_llama()
-    daemon = DaemonProcess(tmp_path / "d", base_url=server.base_url, snapshot_dir=server.slot_save_path)  # type: ignore[arg-type]
+    daemon = DaemonProcess(tmp_path / "d", base_url=server.base_url, snapshot_dir=server.save_dir)
     daemon.start()
     try:
 
@@ -94,12 +94,12 @@ def test_sigterm_checkpoints_a_dirty_session(start_llama: StartServer, tmp_path:
                 await harness_turn(kv, "A", 1, server.base_url)
 
         asyncio.run(one_turn())
-        assert not list(server.slot_save_path.glob("*.bin"))  # type: ignore[union-attr]
+        assert not list(server.save_dir.glob("*.bin"))
     finally:
         code = daemon.stop(timeout_s=60)
     err = daemon.log()
     # uvicorn re-raises the signal after a clean shutdown; systemd counts SIGTERM as a clean exit.
     assert code in (0, -signal.SIGTERM), err
     assert "kv.session.save.success" in err and "trigger=shutdown" in err
-    assert len(list(server.slot_save_path.glob("*.a.bin"))) == 1  # type: ignore[union-attr]
+    assert len(list(server.save_dir.glob("*.a.bin"))) == 1
     assert "A " not in err.replace("session=", "")  # full session ids are not logged at info

@@ -20,7 +20,9 @@ import pytest
 from kvsidecar.backend.base import SaveResult
 from kvsidecar.coordinator.state import Outcome
 from kvsidecar.errors import BackendUnavailable
+from kvsidecar.store.fingerprint import RuntimeFingerprint
 from kvsidecar.store.naming import SnapshotIdentity
+from kvsidecar.store.snapshots import Candidate, Rejection
 from kvsidecar.testing.daemon import DaemonProcess
 from tests.conftest import StartServer
 from tests.integration.real_helpers import RealHarness, real_harness
@@ -48,7 +50,7 @@ async def test_llama_killed_during_a_save_keeps_the_previous_generation(
         real_save = h.backend.save_slot
 
         async def dying_save(slot_id: int, filename: str) -> SaveResult:
-            (server.slot_save_path / filename).write_bytes(b"ggsq-half-written")  # type: ignore[operator]
+            (server.save_dir / filename).write_bytes(b"ggsq-half-written")
             server.kill()  # kill -9 in the middle of writing
             return await real_save(slot_id, filename)
 
@@ -90,7 +92,7 @@ async def test_server_restarted_with_another_kv_layout(
         r, *_ = await h2.turn("A")
         assert r.outcome is Outcome.COLD_FALLBACK and r.reason == reason
         assert "restore" not in h2.calls()  # never even attempted
-        assert (server.slot_save_path / ident("A").filename("a")).exists()  # type: ignore[operator]  # kept
+        assert (server.save_dir / ident("A").filename("a")).exists()  # kept
     finally:
         await h2.coordinator.aclose()
 
@@ -131,7 +133,8 @@ async def test_smaller_context_than_the_snapshot(start_llama: StartServer, tmp_p
         r = await h2.coordinator.acquire("A", provider="local", model="tiny")
         assert r.outcome is Outcome.COLD_FALLBACK and r.reason == "SNAPSHOT_EXCEEDS_SLOT_CONTEXT"
         assert "restore" not in h2.calls() and server.alive
-        await h2.coordinator.release(r.lease_id, status="aborted")  # type: ignore[arg-type]
+        assert r.lease_id is not None
+        await h2.coordinator.release(r.lease_id, status="aborted")
     finally:
         await h2.coordinator.aclose()
 
@@ -145,8 +148,14 @@ async def test_file_deleted_between_check_and_restore(start_llama: StartServer, 
         store = h.coordinator.store
         real_find = store.find_restorable
 
-        def find_then_lose(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
-            cand, rej = real_find(*args, **kwargs)  # type: ignore[arg-type]
+        def find_then_lose(
+            identity: SnapshotIdentity,
+            fingerprint: RuntimeFingerprint,
+            *,
+            max_tokens: int | None = None,
+            deep: bool | None = None,
+        ) -> tuple[Candidate | None, list[Rejection]]:
+            cand, rej = real_find(identity, fingerprint, max_tokens=max_tokens, deep=deep)
             if cand is not None:
                 cand.path.unlink()  # an operator's rm lands right after our checks
             return cand, rej
@@ -228,7 +237,7 @@ def test_kvsidecar_killed_mid_flight_restarts_clean(start_llama: StartServer, tm
     """kill -9 the daemon with a dirty session and a half-written manifest temp file: the next start
     sweeps the temp file, trusts no slot, and restores the last durable snapshot."""
     server = start_llama()
-    daemon = DaemonProcess(tmp_path, base_url=server.base_url, snapshot_dir=server.slot_save_path)  # type: ignore[arg-type]
+    daemon = DaemonProcess(tmp_path, base_url=server.base_url, snapshot_dir=server.save_dir)
     url, auth = daemon.url, daemon.auth
 
     def turn(session: str, n: int) -> str:
@@ -270,7 +279,7 @@ async def test_restore_of_a_truncated_file_is_never_sent(start_llama: StartServe
     try:
         await h.turn("A")
         await h.turn("B")
-        path = server.slot_save_path / ident("A").filename("a")  # type: ignore[operator]
+        path = server.save_dir / ident("A").filename("a")
         data = path.read_bytes()
         path.write_bytes(data[: len(data) // 2])
         r, *_ = await h.turn("A")

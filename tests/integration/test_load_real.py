@@ -77,7 +77,7 @@ async def test_fifty_sessions_with_a_server_restart(start_llama: StartServer, tm
                 kind = type(exc).__name__ + str(getattr(getattr(exc, "response", None), "status_code", ""))
                 kinds[kind] = kinds.get(kind, 0) + 1  # expected only around the restart
                 continue
-            pn, cn = int(t["prompt_n"]), int(t["cache_n"])  # type: ignore[call-overload]
+            pn, cn = t["prompt_n"], t["cache_n"]
             if r.outcome is Outcome.RESTORED and r.restored_tokens:
                 counts["restored"] += 1
                 if cn < 0.8 * min(r.restored_tokens, pn + cn) - 8:

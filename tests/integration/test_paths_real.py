@@ -203,7 +203,9 @@ async def test_failed_save_keeps_the_last_good_generation(start_llama: StartServ
         await h.turn("B")
         r, *_ = await h.turn("A")
         assert r.outcome is Outcome.RESTORED and r.reason is not None and "CORRUPT" in r.reason
-        good_tokens = h.coordinator.store.get(key).generations["a"].tokens  # type: ignore[union-attr]
+        before = h.coordinator.store.get(key)
+        assert before is not None
+        good_tokens = before.generations["a"].tokens
         h.backend.save_slot = disk_full  # type: ignore[method-assign]
         assert (await h.coordinator.save("A"))["saved"] == 0
         m = h.coordinator.store.get(key)

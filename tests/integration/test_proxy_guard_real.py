@@ -97,7 +97,7 @@ def test_llama_key_with_no_token_of_our_own_refuses_to_start(
         DaemonProcess(
             tmp_path / "d1",
             base_url=llama.base_url,
-            snapshot_dir=llama.slot_save_path,  # type: ignore[arg-type]
+            snapshot_dir=llama.save_dir,
             servers={"local": {"api_key_file": str(key)}},
             api={"token_file": None},
             proxy={"enabled": True},

@@ -37,7 +37,7 @@ def proxy_daemon(
     return DaemonProcess(
         work,
         base_url=llama.base_url,
-        snapshot_dir=llama.slot_save_path,  # type: ignore[arg-type]
+        snapshot_dir=llama.save_dir,
         token=TOKEN,
         proxy={"enabled": True, **(proxy or {})},
         **overrides,

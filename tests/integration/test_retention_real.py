@@ -3,6 +3,7 @@ its next request is a clean cold start (never a failure, never another session's
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import httpx
@@ -22,7 +23,7 @@ async def test_quota_evicts_lru_session_which_then_starts_cold(
     config = config_from_mapping(
         {
             "state_dir": str(tmp_path / "state"),
-            "servers": {"local": {"base_url": server.base_url, "snapshot_dir": str(server.slot_save_path)}},
+            "servers": {"local": {"base_url": server.base_url, "snapshot_dir": str(server.save_dir)}},
             "routes": {"local": "local"},
             # one ~4 MB tiny-model snapshot fits; a second pushes usage over the quota
             "retention": {"max_total_bytes": 6_000_000, "low_watermark": 1.0},
@@ -38,21 +39,20 @@ async def test_quota_evicts_lru_session_which_then_starts_cold(
         turns[session] = turns.get(session, 0) + 1
         t = complete(server.base_url, prompt(session, turns[session]), slot_id=r.slot_id)
         assert r.lease_id is not None
-        await c.release(
-            r.lease_id, status="ok", prompt_tokens=int(t["prompt_n"]), cached_tokens=int(t["cache_n"])
-        )  # type: ignore[call-overload]
-        return r.outcome, int(t["prompt_n"]), int(t["cache_n"])  # type: ignore[call-overload]
+        await c.release(r.lease_id, status="ok", prompt_tokens=t["prompt_n"], cached_tokens=t["cache_n"])
+        return r.outcome, t["prompt_n"], t["cache_n"]
 
     try:
         await turn("A")
         await turn("B")  # saves A (4 MB): under quota
         await turn("C")  # saves B: 8 MB > 6 MB -> the after-save check runs retention: A (LRU) goes
         for task in list(c._tasks):
-            if task.get_coro().__qualname__.endswith("check"):  # type: ignore[union-attr]
+            coro = task.get_coro()
+            if isinstance(coro, types.CoroutineType) and coro.__qualname__.endswith("check"):
                 await task
         report = daemon.retention.last_report
         assert report is not None and [d["reason"] for d in report["deletions"]] == ["lru"]
-        names = {p.name for p in server.slot_save_path.iterdir()}  # type: ignore[union-attr]
+        names = {p.name for p in server.save_dir.iterdir()}
         assert len(names) == 1
         outcome, pn, cn = await turn("A")
         assert outcome is Outcome.COLD and cn == 0 and pn > 500  # clean cold start

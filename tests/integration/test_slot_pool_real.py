@@ -35,10 +35,8 @@ async def test_two_sessions_restore_into_their_own_slots_concurrently(
             r = await c.acquire(session, provider="local", model="tiny")
             assert r.lease_id is not None and r.slot_id is not None
             t = await asyncio.to_thread(complete, server.base_url, words(session, 600 * n), slot_id=r.slot_id)
-            await c.release(
-                r.lease_id, status="ok", prompt_tokens=int(t["prompt_n"]), cached_tokens=int(t["cache_n"])
-            )  # type: ignore[call-overload]
-            return r.outcome, r.slot_id, int(t["prompt_n"]), int(t["cache_n"])  # type: ignore[call-overload]
+            await c.release(r.lease_id, status="ok", prompt_tokens=t["prompt_n"], cached_tokens=t["cache_n"])
+            return r.outcome, r.slot_id, t["prompt_n"], t["cache_n"]
 
         first = await asyncio.gather(turn("A", 1), turn("B", 1))
         assert {o for o, *_ in first} == {Outcome.COLD} and {s for _, s, *_ in first} == {0, 1}

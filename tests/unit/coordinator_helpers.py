@@ -20,7 +20,8 @@ def make_config(tmp_path: Path, **overrides: Any) -> Config:
         "state_dir": str(tmp_path / "state"),
         "servers": {"local": {"snapshot_dir": str(tmp_path / "snaps"), "probe_interval_s": 3600}},
         "routes": {"local": "local"},
-        "checkpoint": {"idle_s": 30},
+        # the tests of the cost-aware policy opt in: its timers would otherwise add background saves
+        "checkpoint": {"idle_s": 30, "policy": "save-before-evict"},
     }
     for key, value in overrides.items():
         if key == "servers":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,8 @@ def crashing_at(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
     real = {name: getattr(os, name) for name in ("open", "write", "fsync", "close", "replace")}
     fsyncs = {"n": 0}
 
-    def wrap(name: str):  # type: ignore[no-untyped-def]
-        def fn(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def wrap(name: str) -> Callable[..., object]:
+        def fn(*args: object, **kwargs: object) -> object:
             if name == "fsync":
                 fsyncs["n"] += 1
                 if (step == "fsync" and fsyncs["n"] == 1) or (step == "dir_fsync" and fsyncs["n"] == 2):

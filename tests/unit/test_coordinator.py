@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -283,7 +284,7 @@ async def test_created_and_switch_events_do_nothing(h: Harness) -> None:
     await h.turn("B")
     h.calls()
     for t in ("created", "switch"):
-        await h.coordinator.session_event("A", t)  # type: ignore[arg-type]
+        await h.coordinator.session_event("A", t)
     assert h.calls() == [] and owner(h) == key("B")
 
 
@@ -503,7 +504,7 @@ async def test_half_open_trial_ending_without_a_verdict_does_not_wedge_the_break
         srv.breaker.failure("KV_SAVE_FAILED")
     now[0] += srv.breaker.cooldown_s + 1  # half-open: one trial
 
-    def broken_commit(*args: object, **kwargs: object) -> None:
+    def broken_commit(*args: object, **kwargs: object) -> NoReturn:
         raise MetadataIO("disk went away under the manifest")
 
     real_commit = h.coordinator.store.commit_save
@@ -521,10 +522,10 @@ async def test_unreadable_manifest_while_finding_falls_back_cold(h: Harness) -> 
     await h.turn("A")
     await h.turn("B")
 
-    def unreadable(*args: object, **kwargs: object) -> None:
+    def unreadable(*args: object, **kwargs: object) -> NoReturn:
         raise MetadataIO("manifest unreadable: I/O error")
 
-    h.coordinator.store.find_restorable = unreadable  # type: ignore[method-assign,assignment]
+    h.coordinator.store.find_restorable = unreadable  # type: ignore[method-assign]
     r, _, prompt_n, cache_n = await h.turn("A")
     assert r.outcome is Outcome.COLD and cache_n == 0 and prompt_n > 0
 

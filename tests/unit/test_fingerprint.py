@@ -570,8 +570,9 @@ def wait_exec(child: subprocess.Popen[bytes]) -> None:
 def exec_done(child: subprocess.Popen[bytes]) -> bool:
     if child.poll() is not None:
         raise AssertionError("the fake llama-server exited")
+    assert isinstance(child.args, list), child.args
     try:
-        return psutil.Process(child.pid).cmdline()[:1] == [str(child.args[0])]  # type: ignore[index]
+        return psutil.Process(child.pid).cmdline()[:1] == [str(child.args[0])]
     except psutil.Error:
         return False
 

@@ -41,7 +41,8 @@ def set_gen(field: str, value: object) -> Callable[[dict[str, Any]], object]:
 
 
 # (label, what to write at <key>.json: bytes, or a function of the valid manifest, or a planted entry)
-POISON: list[tuple[str, object, str]] = [
+Poison = bytes | str | Callable[[dict[str, Any]], object]
+POISON: list[tuple[str, Poison, str]] = [
     ("deep array", b"[" * 50_000 + b"]" * 50_000, "MANIFEST_TOO_LARGE"),
     ("deep array small", b"[" * 30_000, "MANIFEST_TOO_DEEP"),
     (
@@ -76,7 +77,7 @@ POISON: list[tuple[str, object, str]] = [
 ]
 
 
-def write_poison(store: SnapshotStore, valid: dict[str, Any], label: str, poison: object) -> None:
+def write_poison(store: SnapshotStore, valid: dict[str, Any], label: str, poison: Poison) -> None:
     path = store.manifests_dir / f"{ID.key}.json"
     path.unlink()
     if label == "NaN time":
@@ -90,14 +91,15 @@ def write_poison(store: SnapshotStore, valid: dict[str, Any], label: str, poison
     elif poison == "directory":
         path.mkdir()
     else:
+        assert callable(poison), poison
         data = json.loads(json.dumps(valid))
-        poison(data)  # type: ignore[operator]
+        poison(data)
         path.write_text(json.dumps(data))
 
 
 @pytest.mark.parametrize(("label", "poison", "reason"), POISON, ids=[p[0] for p in POISON])
 async def test_one_bad_manifest_is_one_bad_session(
-    tmp_path: Path, label: str, poison: object, reason: str
+    tmp_path: Path, label: str, poison: Poison, reason: str
 ) -> None:
     store, valid = good_manifest(tmp_path)
     write_poison(store, valid, label, poison)

@@ -11,7 +11,9 @@ import contextlib
 import json
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,11 +36,11 @@ def save_other(store: SnapshotStore, tokens: int = 10) -> Path:
     return store.snapshot_dirs["local"] / OTHER.filename("a")
 
 
-def tamper(store: SnapshotStore, key: str, change: object) -> None:
+def tamper(store: SnapshotStore, key: str, change: Callable[[dict[str, Any]], object]) -> None:
     """Rewrite a manifest on disk the way an attacker with access to the state directory would."""
     path = store.manifests_dir / f"{key}.json"
     data = json.loads(path.read_bytes())
-    change(data)  # type: ignore[operator]
+    change(data)
     path.write_text(json.dumps(data))
 
 

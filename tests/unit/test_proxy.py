@@ -198,10 +198,11 @@ async def test_oversized_body_is_refused_before_llama_sees_it(tmp_path: Path) ->
 async def test_client_gone_before_llama_answers_aborts_the_prefill(tmp_path: Path) -> None:
     """A harness that gives up during a long prefill: llama-server has sent nothing yet, and must still learn
     (its connection closes) so that the slot is not busy for minutes on an answer nobody reads."""
-    upstream_closed = asyncio.Event()
+    upstream_closed, prefilling = asyncio.Event(), asyncio.Event()
 
     async def handler(conn: OriginConn) -> None:
         await conn.read_request()
+        prefilling.set()
         if await conn.read_request() is None:  # "prefilling" until the proxy hangs up
             upstream_closed.set()
 
@@ -210,9 +211,7 @@ async def test_client_gone_before_llama_answers_aborts_the_prefill(tmp_path: Pat
             call = asyncio.ensure_future(
                 c.post("/completion", json={"prompt": "long"}, headers={"X-Session-Id": "s"})
             )
-            while not each.origin.connections:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.1)
+            await asyncio.wait_for(prefilling.wait(), 5)  # llama-server has the request
             call.cancel()
         await asyncio.wait_for(upstream_closed.wait(), 5)
         assert await each.leases_after_release() == 0

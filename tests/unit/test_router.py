@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.types import Message
 
 from kvsidecar.api import PARAMS, AcquireBody, EventBody, ReleaseBody, create_app, routes
 from kvsidecar.listener import Limits, ListenerState
@@ -253,13 +254,13 @@ async def test_lifespan_enters_and_leaves_the_context(h: Harness) -> None:
     inbox = [{"type": "lifespan.shutdown"}, {"type": "lifespan.startup"}]
     sent: list[str] = []
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         return inbox.pop()
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         sent.append(message["type"])
 
-    await app({"type": "lifespan"}, receive, send)  # type: ignore[arg-type]
+    await app({"type": "lifespan"}, receive, send)
     assert seen == ["start", "stop"]
     assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
 

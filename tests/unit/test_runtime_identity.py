@@ -96,11 +96,11 @@ async def test_a_save_in_the_window_is_not_recorded_under_the_previous_runtime(h
 async def test_restart_during_the_restore_voids_it(h: Harness) -> None:
     await h.turn("A")
     await h.turn("B")
-    h.fake.delay_restore(50)
+    held = h.fake.hold("restore")
     task = asyncio.ensure_future(h.coordinator.acquire("A", provider="local", model="m"))
-    while not any(c[0] == "restore" for c in h.fake.calls):
-        await asyncio.sleep(0.005)
+    await asyncio.wait_for(held.entered.wait(), 5)
     h.fake.restart(kv_salt="runtime 2")
+    held.release()
     r = await task
     assert r.outcome is Outcome.COLD_FALLBACK and r.reason == "server restarted during restore"
     assert r.slot_id is not None and r.lease_id is not None
@@ -112,11 +112,11 @@ async def test_restart_during_the_restore_voids_it(h: Harness) -> None:
 
 async def test_restart_during_the_save_discards_the_file(h: Harness) -> None:
     await h.turn("A")
-    h.fake.delay_save(50)
+    held = h.fake.hold("save")
     task = asyncio.ensure_future(h.turn("B"))
-    while not any(c[0] == "save" for c in h.fake.calls):
-        await asyncio.sleep(0.005)
+    await asyncio.wait_for(held.entered.wait(), 5)
     h.fake.restart()
+    held.release()
     await task
     assert h.coordinator.store.get(key(h, "A")) is None
     assert not any(name.startswith(key(h, "A")) for name in _files(h))

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.config import config_from_mapping
+from kvsidecar.config import Config, config_from_mapping
 from kvsidecar.errors import ConfigError
 from kvsidecar.service import listen_sockets, read_token
 from kvsidecar.testing.llama import free_port
 from tests.unit.test_store import make_store, save
 
 
-def cfg(tmp_path: Path, **api: object) -> object:
+def cfg(tmp_path: Path, **api: object) -> Config:
     return config_from_mapping(
         {"state_dir": str(tmp_path / "s"), "api": {"listen": f"127.0.0.1:{free_port()}", **api}}
     )
@@ -33,7 +33,7 @@ def test_public_bind_needs_a_token_even_when_allowed(tmp_path: Path) -> None:
 
 
 def test_unix_socket_is_0600(tmp_path: Path) -> None:
-    socks = listen_sockets(cfg(tmp_path, unix_socket=str(tmp_path / "run" / "api.sock")))  # type: ignore[arg-type]
+    socks = listen_sockets(cfg(tmp_path, unix_socket=str(tmp_path / "run" / "api.sock")))
     try:
         assert (tmp_path / "run" / "api.sock").stat().st_mode & 0o777 == 0o600
     finally:
@@ -44,9 +44,9 @@ def test_unix_socket_is_0600(tmp_path: Path) -> None:
 def test_short_or_missing_token_file_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / "t").write_text("short")
     with pytest.raises(ConfigError, match="16"):
-        read_token(cfg(tmp_path, token_file=str(tmp_path / "t")))  # type: ignore[arg-type]
+        read_token(cfg(tmp_path, token_file=str(tmp_path / "t")))
     with pytest.raises(ConfigError, match="cannot read"):
-        read_token(cfg(tmp_path, token_file=str(tmp_path / "missing")))  # type: ignore[arg-type]
+        read_token(cfg(tmp_path, token_file=str(tmp_path / "missing")))
 
 
 def test_state_and_snapshot_dirs_are_0700_and_snapshots_0600(tmp_path: Path) -> None:

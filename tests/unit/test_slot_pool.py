@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -48,7 +49,7 @@ async def test_sessions_run_in_parallel_on_different_slots(tmp_path: Path) -> No
         leases = await asyncio.gather(
             *(h.coordinator.acquire(f"s{i}", provider="local", model="m") for i in range(4))
         )
-        assert sorted(r.slot_id for r in leases) == [0, 1, 2, 3]  # type: ignore[type-var]
+        assert sorted(r.slot_id for r in leases if r.slot_id is not None) == [0, 1, 2, 3]
         for r in leases:
             assert r.lease_id is not None
             await h.coordinator.release(r.lease_id, status="ok")
@@ -85,7 +86,8 @@ async def test_waiters_get_slot_busy_after_the_bound(tmp_path: Path) -> None:
             await h.coordinator.acquire("s9", provider="local", model="m")
         assert info.value.code == "KV_SLOT_BUSY"
         for r in held:
-            await h.coordinator.release(r.lease_id, status="ok")  # type: ignore[arg-type]
+            assert r.lease_id is not None
+            await h.coordinator.release(r.lease_id, status="ok")
     finally:
         await h.coordinator.aclose()
 
@@ -122,7 +124,7 @@ async def test_randomized_concurrency_keeps_every_invariant(tmp_path: Path, seed
                 await c.release(r.lease_id, status="aborted")
             else:
                 h.fake.infer(r.slot_id, conversation(session, turn))
-                status = "error" if fate < 0.15 else "ok"
+                status: Literal["ok", "error"] = "error" if fate < 0.15 else "ok"
                 await c.release(r.lease_id, status=status)
                 if status == "ok":
                     turns[session] = turn

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -139,10 +140,12 @@ def test_restore_prefers_current_then_falls_back_to_previous(tmp_path: Path) -> 
         (lambda p: p.write_bytes(b"XXXX" + p.read_bytes()[4:]), CORRUPT),  # bad magic
     ],
 )
-def test_damaged_files_never_reach_the_server(tmp_path: Path, damage: object, reason: str) -> None:
+def test_damaged_files_never_reach_the_server(
+    tmp_path: Path, damage: Callable[[Path], object], reason: str
+) -> None:
     store = make_store(tmp_path)
     save(store, 10)
-    damage(store.snapshot_dirs["local"] / ID.filename("a"))  # type: ignore[operator]
+    damage(store.snapshot_dirs["local"] / ID.filename("a"))
     cand, rej = store.find_restorable(ID, FP)
     assert cand is None
     assert [r.reason for r in rej] == [reason]
@@ -153,7 +156,8 @@ def test_flipped_byte_passes_when_checksums_are_off(tmp_path: Path) -> None:
     save(store, 10)
     flip_last_byte(store.snapshot_dirs["local"] / ID.filename("a"))
     assert store.find_restorable(ID, FP)[0] is not None
-    assert store.get(ID.key).generations["a"].checksum is None  # type: ignore[union-attr]
+    m = store.get(ID.key)
+    assert m is not None and m.generations["a"].checksum is None
 
 
 def test_fingerprint_mismatch_is_invisible_not_deleted(tmp_path: Path) -> None:
@@ -172,8 +176,10 @@ def test_save_under_new_runtime_keeps_old_generation_for_the_old_runtime(tmp_pat
     store = make_store(tmp_path)
     save(store, 10, fp=FP)
     save(store, 20, fp=FP2, revision=2)
-    assert store.find_restorable(ID, FP2)[0].generation == "b"  # type: ignore[union-attr]
-    assert store.find_restorable(ID, FP)[0].generation == "a"  # type: ignore[union-attr]
+    new, _ = store.find_restorable(ID, FP2)
+    old, _ = store.find_restorable(ID, FP)
+    assert new is not None and new.generation == "b"
+    assert old is not None and old.generation == "a"
 
 
 def test_state_format_change_and_context_fit(tmp_path: Path) -> None:
@@ -252,5 +258,6 @@ def test_recheck_file_marks_deleted_generation(tmp_path: Path) -> None:
     assert store.recheck_file("local", name) is None
     (store.snapshot_dirs["local"] / name).unlink()
     assert store.recheck_file("local", name) == FILE_MISSING
-    assert store.get(ID.key).generations["a"].invalid_reason == FILE_MISSING  # type: ignore[union-attr]
+    m = store.get(ID.key)
+    assert m is not None and m.generations["a"].invalid_reason == FILE_MISSING
     assert store.recheck_file("local", "unrelated.bin") is None

@@ -40,6 +40,13 @@ def client(origin: Origin, *, read_timeout_s: float = 5.0, path: str = "") -> Up
     return Upstream(origin.url + path, connect_timeout_s=2.0, read_timeout_s=read_timeout_s)
 
 
+async def until_closed(conns: list[upstream_mod._Conn]) -> None:
+    """Until the loop has delivered the end of every one of these connections; 5 s at most."""
+    async with asyncio.timeout(5):
+        while not all(conn.closed for conn in conns):
+            await asyncio.sleep(0.001)
+
+
 async def fetch(up: Upstream, target: str = "/x", *, method: str = "GET", body: bytes = b"") -> bytes:
     response = await up.request(method, target, [(b"x-test", b"1")], body)
     try:
@@ -147,7 +154,7 @@ async def test_idle_connection_the_server_closed_is_not_used() -> None:
     async for origin in started(Origin(handler)):
         up = client(origin)
         assert await fetch(up) == b"bye"
-        await asyncio.sleep(0.05)  # the server's FIN arrives while the connection is idle
+        await until_closed(list(up._idle))  # the server's FIN reaches the idle connection
         assert await fetch(up) == b"bye"
         assert origin.connections == 2
         await up.aclose()
@@ -299,7 +306,7 @@ async def test_informational_responses_are_skipped_and_extra_answers_distrusted(
         assert response.status_code == 201 and response.headers == [(b"content-length", b"2")]
         assert await response.read() == b"ok"
         await response.aclose()
-        await asyncio.sleep(0.05)
+        await until_closed([response._conn])  # once the answer nobody asked for is in
         assert await fetch(up) == b"ok" and origin.connections == 2  # the confused connection was dropped
         await up.aclose()
 

@@ -24,7 +24,8 @@ async def test_rm_marks_the_generation_missing(tmp_path: Path) -> None:
     finally:
         watcher.stop()
     assert (server, filename, reason) == ("local", ID.filename("a"), FILE_MISSING)
-    assert store.get(ID.key).generations["a"].invalid_reason == FILE_MISSING  # type: ignore[union-attr]
+    m = store.get(ID.key)
+    assert m is not None and m.generations["a"].invalid_reason == FILE_MISSING
     assert watcher.pending == 0
 
 

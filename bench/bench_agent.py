@@ -1,0 +1,916 @@
+"""Agent workload at the KV sizes users have (issue 15, items 1 and 4).
+
+Model: a generated llama with Llama-3-8B's KV geometry (`LLAMA3_8B_GEOMETRY`: 32 layers, 8 KV heads of 128
+dims, 128 KiB of KV per token in f16; tiny weights, so a CPU runs it). Several agent sessions each alternate a
+model call with think time (a tool run: lognormal, seeded), every call appending a few hundred tokens (the
+previous reply plus a tool result) to an append-only history of a few thousand tokens. Workloads:
+
+  think-1slot    3 sessions on one slot, think time (the case the policies are for)
+  zero-1slot     the same sessions with no think time (the worst case: every call waits for the slot)
+  think-2slots   4 sessions on `--parallel 2` (a save stops the other slot's stream too)
+
+Policies, each on its own fresh llama-server (and daemon) with the same sessions and seeds:
+
+  save-before-evict  kvsidecar, `checkpoint.policy: save-before-evict` (the behaviour before issue 15)
+  cost-aware         kvsidecar, `checkpoint.policy: cost-aware` (skipped if this build's config refuses it)
+  cache-ram          no kvsidecar: llama-server's own host-memory prompt cache (`--cache-ram 8192`)
+  cold               no kvsidecar, `--cache-ram 0`: every switch recomputes the whole history
+
+kvsidecar runs use `--cache-ram 0 --no-cache-idle-slots`, a real daemon (`kvsidecar serve`, JSON logs) and the
+python client; the baselines use a small slot pool in this script (a session keeps its slot while it is
+free, otherwise it waits FIFO for the least recently used one). Every session starts from a prebuilt
+history (one cold prefill per session per benchmark, restored into the slot before the measured turns; the
+kvsidecar runs then save it once, so every policy starts with all sessions saved and not counted).
+
+Per switch (a call whose session was not in its slot): wait for the slot, the evicted session's save on
+the critical path, the restore, the prefill of the new tokens (llama-server's prompt_ms), time to first
+token (streamed, from the moment the call is ready to the first token). Saves and their triggers come from
+the daemon's `kv.session.save.*` log events, restores from the acquire answers, bytes from `/metrics`. The
+physical limit of a switch: the restored bytes over the page-cache read bandwidth measured in the same run,
+plus the prefill of its new tokens (prefill cost per token fitted on this run's warm calls, a + b x context).
+
+Sizes: cold prefill of this model is ~270 tokens/s at 2K tokens and ~110 tokens/s at 5K on 2 cores, so
+histories start at 2-3.5K tokens (0.27-0.47 GB snapshots) and grow by ~300 tokens per call to at most
+~5.5K (0.7 GB), with 6 calls per session: the whole benchmark takes 15-25 minutes on 2 cores. `--quick`
+(2-2.5K tokens, 2 calls per session, single-slot workloads only, cold with one call per session) takes
+3-5 minutes; results in bench/results/agent-quick.json. Medians and ratios only; nothing here is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import calendar
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, summary, write
+
+from kvsidecar.client import KvSidecarClient
+from kvsidecar.config import CheckpointConfig, config_from_mapping
+from kvsidecar.errors import ConfigError
+from kvsidecar.store.naming import short_id
+from kvsidecar.testing.daemon import DaemonProcess
+from kvsidecar.testing.llama import LlamaServer, llama_server_binary, vocab_dir
+from kvsidecar.testing.models import LLAMA3_8B_GEOMETRY, generate_llama_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "bench-agent-token-0123456789abcdef"
+MODEL = "llama3-8b-geometry"
+WORKLOADS: dict[str, tuple[int, bool]] = {  # name -> (llama-server --parallel, think time on)
+    "think-1slot": (1, True),
+    "zero-1slot": (1, False),
+    "think-2slots": (2, True),
+}
+POLICIES = ("save-before-evict", "cost-aware", "cache-ram", "cold")
+KV_POLICIES = ("save-before-evict", "cost-aware")
+CACHE_RAM_MIB = 8192  # llama-server's default, stated explicitly
+
+
+@dataclass(frozen=True, kw_only=True)
+class Params:
+    histories: tuple[int, ...]  # initial history tokens of each session (the 2-slot workload uses all)
+    sessions_1slot: int
+    turns: int
+    cold_turns: int
+    new_tokens: tuple[int, int]  # tool output appended per call, uniform
+    reply_tokens: int  # n_predict
+    think_mean_s: float
+    think_sigma: float
+    seed: int
+    workloads: tuple[str, ...]
+    policies: tuple[str, ...]
+    cold_workloads: tuple[str, ...]
+    hint: str | None
+
+    @property
+    def ctx_per_slot(self) -> int:
+        need = max(self.histories) + self.turns * (self.new_tokens[1] + self.reply_tokens + 2) + 256
+        return int(math.ceil(need / 256) * 256)
+
+
+FULL = Params(
+    histories=(2048, 2560, 3072, 3584),
+    sessions_1slot=3,
+    turns=6,
+    cold_turns=2,
+    new_tokens=(200, 400),
+    reply_tokens=16,
+    think_mean_s=5.0,
+    think_sigma=0.75,
+    seed=15,
+    workloads=tuple(WORKLOADS),
+    policies=POLICIES,
+    cold_workloads=("think-1slot", "think-2slots"),
+    hint=None,
+)
+QUICK = Params(
+    histories=(2048, 2304, 2560),
+    sessions_1slot=3,
+    turns=2,
+    cold_turns=1,
+    new_tokens=(150, 300),
+    reply_tokens=8,
+    think_mean_s=4.0,
+    think_sigma=0.75,
+    seed=15,
+    workloads=("think-1slot", "zero-1slot"),
+    policies=POLICIES,
+    cold_workloads=("think-1slot",),
+    hint=None,
+)
+
+
+# the workload -------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class SessionPlan:
+    name: str
+    history: list[int]  # the prebuilt history (its KV is in seed_file)
+    new: list[list[int]]  # tokens appended before each call (after the previous reply)
+    think_s: list[float]  # think time after each call
+    start_s: float  # first call's offset (think workloads)
+    seed_file: str = ""
+
+
+def plans(p: Params) -> list[SessionPlan]:
+    """Every session's tokens and think times, drawn once from the seed: the same for every policy."""
+    mu = math.log(p.think_mean_s) - p.think_sigma**2 / 2  # lognormal with mean think_mean_s
+    out = []
+    for i, n in enumerate(p.histories):
+        rng = random.Random(p.seed * 1000 + i)
+        out.append(
+            SessionPlan(
+                name=f"agent-{i}",
+                history=[rng.randrange(1000, 31000) for _ in range(n)],
+                new=[
+                    [rng.randrange(1000, 31000) for _ in range(rng.randint(*p.new_tokens))]
+                    for _ in range(p.turns)
+                ],
+                think_s=[rng.lognormvariate(mu, p.think_sigma) for _ in range(p.turns)],
+                start_s=rng.uniform(0, p.think_mean_s),
+            )
+        )
+    return out
+
+
+@dataclass(kw_only=True)
+class Turn:
+    session: str
+    turn: int
+    reusable: int  # tokens of the prompt the session's KV already covers (what a restore brings back)
+    new: int  # tokens to compute on a perfect warm start
+    t_ready: float  # wall clock (time.time), comparable with the daemon's log timestamps
+    t_acquired: float = 0.0
+    t_first: float = 0.0
+    t_end: float = 0.0
+    switched: bool = False
+    outcome: str = ""
+    actions: list[str] = field(default_factory=list)
+    restore_ms: float | None = None  # kvsidecar's timing of llama-server's restore call
+    restore_server_ms: float | None = None  # llama-server's own timings.restore_ms
+    prompt_n: int = 0
+    cache_n: int = 0
+    prompt_ms: float = 0.0
+    reply: list[int] = field(default_factory=list)
+
+    @property
+    def ttft_ms(self) -> float:
+        return (self.t_first - self.t_ready) * 1000
+
+    @property
+    def acquire_ms(self) -> float:
+        return (self.t_acquired - self.t_ready) * 1000
+
+
+# llama-server -----------------------------------------------------------------------------------------
+async def stream_completion(
+    http: httpx.AsyncClient, base_url: str, slot_id: int, tokens: list[int], n_predict: int, turn: Turn
+) -> dict[str, Any]:
+    """A streamed, slot-pinned /completion over a token list; fills the turn's first-token time and reply."""
+    body = {
+        "prompt": tokens,
+        "n_predict": n_predict,
+        "cache_prompt": True,
+        "id_slot": slot_id,
+        "stream": True,
+        "temperature": 0,
+        "return_tokens": True,
+    }
+    final: dict[str, Any] = {}
+    async with http.stream("POST", f"{base_url}/completion", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"/completion answered {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            chunk = json.loads(line[6:])
+            if not turn.t_first:
+                turn.t_first = time.time()
+            turn.reply += [int(t) for t in chunk.get("tokens") or []]
+            if chunk.get("stop"):
+                final = chunk
+    turn.t_end = time.time()
+    timings = final.get("timings") or {}
+    turn.prompt_n, turn.cache_n = int(timings.get("prompt_n", 0)), int(timings.get("cache_n", 0))
+    turn.prompt_ms = float(timings.get("prompt_ms", 0.0))
+    return timings
+
+
+def llama(
+    binary: Path, model: Path, work: Path, *, parallel: int, ctx: int, extra: Iterable[str]
+) -> LlamaServer:
+    return LlamaServer(
+        binary=binary,
+        model=model,
+        slot_save_path=work / "snaps",
+        log_path=work / "llama.log",
+        ctx_size=ctx * parallel,
+        parallel=parallel,
+        extra_args=tuple(extra),
+    )
+
+
+def slot_action(base_url: str, slot: int, action: str, filename: str) -> dict[str, Any]:
+    r = httpx.post(f"{base_url}/slots/{slot}?action={action}", json={"filename": filename}, timeout=600)
+    r.raise_for_status()
+    data: dict[str, Any] = r.json()
+    return data
+
+
+def prebuild(binary: Path, model: Path, work: Path, p: Params, sessions: list[SessionPlan]) -> dict[str, Any]:
+    """One cold prefill per session, saved by llama-server itself: every run starts from these files."""
+    server = llama(
+        binary, model, work / "prebuild", parallel=1, ctx=p.ctx_per_slot, extra=("--cache-ram", "0")
+    )
+    server.start()
+    out: dict[str, Any] = {"cold_prefill": []}
+    try:
+        for s in sessions:
+            r = httpx.post(
+                f"{server.base_url}/completion",
+                json={"prompt": s.history, "n_predict": 1, "cache_prompt": True, "id_slot": 0},
+                timeout=900,
+            )
+            r.raise_for_status()
+            t = r.json()["timings"]
+            s.seed_file = f"seed-{s.name}.bin"
+            saved = slot_action(server.base_url, 0, "save", s.seed_file)
+            out["cold_prefill"].append(
+                {"tokens": t["prompt_n"], "prompt_ms": t["prompt_ms"], "save_ms": saved["timings"]["save_ms"]}
+            )
+            print(
+                f"  prebuilt {s.name}: {t['prompt_n']} tokens cold in {t['prompt_ms'] / 1000:.1f} s",
+                file=sys.stderr,
+            )
+    finally:
+        server.stop()
+    files = {s.name: work / "prebuild" / "snaps" / s.seed_file for s in sessions}
+    sizes = {k: f.stat().st_size for k, f in files.items()}
+    biggest = max(files.values(), key=lambda f: f.stat().st_size)
+    out["read_gbps"] = statistics.median(read_gbps(biggest) for _ in range(3))
+    two = sorted(sessions, key=lambda s: len(s.history))[-2:]
+    out["file_bytes_per_token"] = (sizes[two[1].name] - sizes[two[0].name]) / (
+        len(two[1].history) - len(two[0].history)
+    )
+    out["seed_bytes"] = sizes
+    return out
+
+
+def read_gbps(path: Path) -> float:
+    """Plain read of a snapshot file from the page cache (it was just written): the restore's limit."""
+    buf = bytearray(8 << 20)
+    fd = os.open(path, os.O_RDONLY)
+    t0, total = time.perf_counter(), 0
+    try:
+        while n := os.readv(fd, [buf]):
+            total += n
+    finally:
+        os.close(fd)
+    return total / (time.perf_counter() - t0) / 1e9
+
+
+# drivers: kvsidecar, or this script's own slot pool ---------------------------------------------------
+class BenchClient(KvSidecarClient):
+    """The project's client, plus the raw acquire answer (restore_server_ms, actions) and /metrics."""
+
+    async def acquire_answer(self, session_id: str) -> dict[str, Any]:
+        answer: dict[str, Any] = await self._call(
+            "POST", f"/v1/sessions/{session_id}/acquire", {"provider": "local", "model": MODEL}
+        )
+        return answer
+
+    async def metrics_text(self) -> str:
+        r = await self._http.get("/metrics")
+        r.raise_for_status()
+        return r.text
+
+
+class KvDriver:
+    def __init__(self, kv: BenchClient, hint: str | None) -> None:
+        self.kv, self.hint = kv, hint
+        self.leases: dict[str, str] = {}
+
+    async def acquire(self, turn: Turn) -> tuple[str, int]:
+        a = await self.kv.acquire_answer(turn.session)
+        turn.outcome, turn.actions = str(a["outcome"]), list(a.get("actions") or [])
+        turn.restore_ms, turn.restore_server_ms = a.get("restore_ms"), a.get("restore_server_ms")
+        turn.switched = turn.outcome != "resident"
+        self.leases[turn.session] = str(a["lease_id"])
+        return str(a["base_url"]), int(a["slot_id"])
+
+    async def release(self, turn: Turn, ok: bool) -> None:
+        await self.kv.release(
+            self.leases.pop(turn.session),
+            status="ok" if ok else "aborted",
+            prompt_tokens=turn.prompt_n if ok else None,
+            cached_tokens=turn.cache_n if ok else None,
+        )
+        if ok and self.hint:
+            await self.kv.event(turn.session, self.hint)
+
+
+class LocalPool:
+    """Slots for the baselines: a session keeps its slot while it is free; otherwise FIFO, LRU slot."""
+
+    def __init__(self, base_url: str, n: int) -> None:
+        self.base_url = base_url
+        self.owner: list[str | None] = [None] * n
+        self.busy = [False] * n
+        self.used = [0.0] * n
+        self.cond = asyncio.Condition()
+        self.queue: list[str] = []
+
+    def _pick(self, session: str) -> int | None:
+        if session in self.owner:
+            i = self.owner.index(session)
+            return None if self.busy[i] else i
+        free = [i for i in range(len(self.busy)) if not self.busy[i]]
+        return min(free, key=lambda i: self.used[i]) if free else None
+
+    async def acquire(self, turn: Turn) -> tuple[str, int]:
+        async with self.cond:
+            self.queue.append(turn.session)
+            while self.queue[0] != turn.session or (slot := self._pick(turn.session)) is None:
+                await self.cond.wait()
+            self.queue.pop(0)
+            turn.switched = self.owner[slot] != turn.session
+            turn.outcome = "switch" if turn.switched else "resident"
+            self.owner[slot], self.busy[slot] = turn.session, True
+            self.cond.notify_all()
+            return self.base_url, slot
+
+    async def release(self, turn: Turn, ok: bool) -> None:
+        async with self.cond:
+            slot = self.owner.index(turn.session)
+            self.busy[slot], self.used[slot] = False, time.monotonic()
+            self.cond.notify_all()
+
+
+Driver = KvDriver | LocalPool
+
+
+# one run ----------------------------------------------------------------------------------------------
+async def one_turn(
+    driver: Driver, http: httpx.AsyncClient, plan: SessionPlan, i: int, history: list[int], n_predict: int
+) -> Turn:
+    prompt = history + plan.new[i]
+    reusable = len(history) - (1 if i > 0 else 0)  # the last reply token was sampled, never evaluated
+    turn = Turn(session=plan.name, turn=i, reusable=reusable, new=len(prompt) - reusable, t_ready=time.time())
+    base_url, slot = await driver.acquire(turn)
+    turn.t_acquired = time.time()
+    ok = False
+    try:
+        await stream_completion(http, base_url, slot, prompt, n_predict, turn)
+        ok = True
+    finally:
+        await driver.release(turn, ok)
+    return turn
+
+
+async def run_session(
+    driver: Driver,
+    http: httpx.AsyncClient,
+    plan: SessionPlan,
+    p: Params,
+    think: bool,
+    turns: int,
+    out: list[Turn],
+) -> None:
+    history = list(plan.history)
+    if think:
+        await asyncio.sleep(plan.start_s)
+    for i in range(turns):
+        turn = await one_turn(driver, http, plan, i, history, p.reply_tokens)
+        out.append(turn)
+        history = history + plan.new[i] + turn.reply
+        if think:
+            await asyncio.sleep(plan.think_s[i])
+
+
+async def seed_sessions(
+    driver: Driver, base_url: str, sessions: list[SessionPlan], kv: BenchClient | None
+) -> None:
+    """Bring every session's prebuilt history into a slot (restored by llama-server, not measured)."""
+    async with httpx.AsyncClient(timeout=900) as http:
+        for s in sessions:
+            turn = Turn(session=s.name, turn=-1, reusable=0, new=0, t_ready=time.time())
+            _, slot = await driver.acquire(turn)
+            try:
+                await asyncio.to_thread(slot_action, base_url, slot, "restore", s.seed_file)
+                await stream_completion(http, base_url, slot, s.history, 1, turn)
+            finally:
+                await driver.release(turn, True)
+            if kv is not None:
+                await kv.save(s.name)  # every kvsidecar run starts with all sessions saved
+
+
+async def drive(
+    driver: Driver, sessions: list[SessionPlan], p: Params, think: bool, turns: int
+) -> list[Turn]:
+    out: list[Turn] = []
+    limits = httpx.Limits(max_connections=len(sessions) + 2)
+    async with httpx.AsyncClient(timeout=900, limits=limits) as http:
+        await asyncio.gather(*(run_session(driver, http, s, p, think, turns, out) for s in sessions))
+    return out
+
+
+def policy_config(policy: str) -> dict[str, Any] | None:
+    """The checkpoint section for a kvsidecar policy, or None if this build's config does not know it."""
+    if "policy" not in CheckpointConfig.model_fields:
+        return {} if policy == "save-before-evict" else None  # before issue 15 that was the only behaviour
+    try:
+        config_from_mapping({"checkpoint": {"policy": policy}})
+    except ConfigError:
+        return None
+    return {"policy": policy}
+
+
+async def run_kvsidecar(
+    server: LlamaServer,
+    work: Path,
+    sessions: list[SessionPlan],
+    p: Params,
+    think: bool,
+    checkpoint: dict[str, Any],
+) -> dict[str, Any]:
+    mode = "managed-slots" if server.parallel > 1 else "single-slot"
+    daemon = DaemonProcess(
+        work / "kvsidecar",
+        base_url=server.base_url,
+        snapshot_dir=server.slot_save_path,  # type: ignore[arg-type]
+        token=TOKEN,
+        servers={"local": {"mode": mode, "persist_timeout_s": 600, "request_timeout_s": 60}},
+        checkpoint=checkpoint,
+        logging={"level": "info", "format": "json"},
+    ).start(timeout_s=120)
+    try:
+        kv = BenchClient(daemon.url, token=TOKEN, timeout_s=900)
+        try:
+            driver = KvDriver(kv, p.hint)
+            await seed_sessions(driver, server.base_url, sessions, kv)
+            unlink_seeds(server, sessions)
+            before, t0 = await kv.metrics_text(), time.time()
+            turns = await drive(driver, sessions, p, think, p.turns)
+            t1, after = time.time(), await kv.metrics_text()
+            status = await kv.status()
+        finally:
+            await kv.aclose()
+    finally:
+        daemon.kill()  # the measured phase is over; a shutdown checkpoint would only cost time
+    return {
+        "turns": turns,
+        "t0": t0,
+        "t1": t1,
+        "metrics": metrics_delta(before, after),
+        "saves": save_intervals(daemon.log_path.read_text(errors="replace"), t0, t1),
+        "status_stats": status.get("stats"),
+        "status": {k: v for k, v in status.items() if k not in ("sessions", "servers")},
+    }
+
+
+async def run_baseline(
+    server: LlamaServer, sessions: list[SessionPlan], p: Params, think: bool, *, seed: bool, turns: int
+) -> dict[str, Any]:
+    pool = LocalPool(server.base_url, server.parallel)
+    if seed:
+        await seed_sessions(pool, server.base_url, sessions, None)
+    unlink_seeds(server, sessions)
+    t0 = time.time()
+    out = await drive(pool, sessions, p, think, turns)
+    return {"turns": out, "t0": t0, "t1": time.time(), "metrics": {}, "saves": []}
+
+
+def unlink_seeds(server: LlamaServer, sessions: list[SessionPlan]) -> None:
+    for s in sessions:
+        with contextlib.suppress(FileNotFoundError):
+            (server.slot_save_path / s.seed_file).unlink()  # type: ignore[operator]
+
+
+def link_seeds(server: LlamaServer, seeds: Path, sessions: list[SessionPlan]) -> None:
+    snaps = server.slot_save_path
+    assert snaps is not None
+    snaps.mkdir(parents=True, exist_ok=True)
+    for s in sessions:
+        os.link(seeds / s.seed_file, snaps / s.seed_file)  # same file system: no copy
+
+
+def run_one(
+    binary: Path, model: Path, work: Path, seeds: Path, p: Params, workload: str, policy: str
+) -> dict[str, Any]:
+    parallel, think = WORKLOADS[workload]
+    n_sessions = len(p.histories) if parallel > 1 else p.sessions_1slot
+    sessions = [s for s in plans(p)[:n_sessions]]
+    for s in sessions:
+        s.seed_file = f"seed-{s.name}.bin"
+    checkpoint = policy_config(policy) if policy in KV_POLICIES else {}
+    base: dict[str, Any] = {
+        "workload": workload,
+        "policy": policy,
+        "sessions": n_sessions,
+        "parallel": parallel,
+    }
+    if checkpoint is None:
+        return {**base, "available": False, "reason": "this build's config does not accept the policy"}
+    flags = {
+        "cache-ram": ("--cache-ram", str(CACHE_RAM_MIB)),
+        "cold": ("--cache-ram", "0"),
+    }.get(policy, ("--cache-ram", "0", "--no-cache-idle-slots"))
+    run_dir = Path(tempfile.mkdtemp(dir=work, prefix=f"{workload}-{policy}-"))
+    server = llama(binary, model, run_dir, parallel=parallel, ctx=p.ctx_per_slot, extra=flags)
+    link_seeds(server, seeds, sessions)
+    started = time.time()
+    server.start()
+    try:
+        if policy in KV_POLICIES:
+            raw = asyncio.run(run_kvsidecar(server, run_dir, sessions, p, think, checkpoint))
+        else:
+            turns = p.cold_turns if policy == "cold" else p.turns
+            raw = asyncio.run(run_baseline(server, sessions, p, think, seed=policy != "cold", turns=turns))
+    except Exception as exc:  # one broken run must not cost the others: reported with its logs
+        tail = server.log_tail(40)
+        print(f"  FAILED: {exc!r}\n{tail}", file=sys.stderr)
+        return {**base, "available": False, "reason": f"failed: {exc!r}", "llama_log_tail": tail}
+    finally:
+        server.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return {
+        **base,
+        "available": True,
+        "llama_flags": f"--parallel {parallel} --ctx-size {p.ctx_per_slot * parallel} {' '.join(flags)}",
+        "checkpoint_config": checkpoint,
+        "wall_s": time.time() - started,
+        **raw,
+    }
+
+
+# what the daemon said ---------------------------------------------------------------------------------
+def _ts(value: str) -> float:
+    head, _, frac = value.rstrip("Z").partition(".")
+    return calendar.timegm(time.strptime(head, "%Y-%m-%dT%H:%M:%S")) + float(f"0.{frac or 0}")
+
+
+def save_intervals(log_text: str, t0: float, t1: float) -> list[dict[str, Any]]:
+    """Every save the daemon did in [t0, t1]: session (short id), trigger, start, end, bytes, outcome."""
+    open_: dict[str, dict[str, Any]] = {}
+    out: list[dict[str, Any]] = []
+    for line in log_text.splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        name = e.get("event", "") if isinstance(e, dict) else ""
+        if not name.startswith("kv.session.save."):
+            continue
+        session, at = str(e.get("session")), _ts(str(e.get("ts")))
+        if name == "kv.session.save.start":
+            open_[session] = {"session": session, "trigger": e.get("trigger"), "start": at}
+        elif session in open_:
+            rec = open_.pop(session) | {"end": at, "outcome": name.rsplit(".", 1)[1]}
+            rec["bytes"], rec["save_ms"] = e.get("bytes"), e.get("save_ms")
+            rec["server_ms"] = e.get("server_ms")  # llama-server's own save_ms, if the daemon logs it
+            if rec["end"] >= t0 and rec["start"] <= t1:
+                out.append(rec)
+    return out
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if not s.name.startswith("kv_") or s.name.endswith(("_created", "_bucket")):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "server")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def metrics_delta(before: str, after: str) -> dict[str, float]:
+    a, b = parse_metrics(before), parse_metrics(after)
+    return {k: v - a.get(k, 0.0) for k, v in b.items() if v - a.get(k, 0.0)}
+
+
+def metric_sum(m: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in m.items() if k == prefix or k.startswith(prefix + "{"))
+
+
+# analysis ---------------------------------------------------------------------------------------------
+def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def attribute(turn: Turn, saves: list[dict[str, Any]], shorts: dict[str, str]) -> dict[str, float]:
+    """The saves on this call's critical path: the switch save its own acquire did (its `actions`), and
+    any other save (idle, hint, background) that ran while it waited; and whether it waited for its own."""
+    mine = shorts[turn.session]
+    listed = {a.split(" ", 1)[1] for a in turn.actions if a.startswith("save ")}
+    on_path = own = 0.0
+    for s in saves:
+        o = overlap(turn.t_ready, turn.t_acquired, s["start"], s["end"])
+        if o <= 0:
+            continue
+        if s["trigger"] == "switch":
+            if s["session"] in listed:  # this acquire's own eviction save
+                on_path += o
+        else:
+            on_path += o
+            if s["session"] == mine:
+                own += o
+    return {"save_ms": on_path * 1000, "own_save_ms": own * 1000}
+
+
+def fit_prefill(turns: list[Turn]) -> tuple[float, float]:
+    """prompt_ms ~ n x (a + b x context): per-token cost of appended tokens, from warm calls."""
+    import numpy as np
+
+    rows = [t for t in turns if t.cache_n > 0 and 0 < t.prompt_n <= 1024 and t.prompt_ms > 0]
+    if len(rows) < 2:
+        return (float("nan"), float("nan"))
+    x = np.array([[t.prompt_n, t.prompt_n * (t.cache_n + t.prompt_n / 2)] for t in rows])
+    y = np.array([t.prompt_ms for t in rows])
+    (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
+    return float(a), float(b)
+
+
+def limit_ms(t: Turn, bpt: float, gbps: float, fit: tuple[float, float]) -> float:
+    a, b = fit
+    restore = t.reusable * bpt / (gbps * 1e9) * 1000
+    return restore + t.new * (a + b * (t.reusable + t.new / 2))
+
+
+def p50(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def analyse(run: dict[str, Any], bpt: float, gbps: float, fit: tuple[float, float]) -> dict[str, Any]:
+    turns: list[Turn] = run["turns"]
+    shorts = {t.session: short_id(t.session) for t in turns}
+    saves = run["saves"]
+    rows = []
+    for t in sorted(turns, key=lambda t: t.t_ready):
+        parts = attribute(t, saves, shorts)
+        restore = t.restore_ms or 0.0
+        rows.append(
+            {
+                **{k: v for k, v in asdict(t).items() if k != "reply"},
+                "reply_n": len(t.reply),
+                "ttft_ms": t.ttft_ms,
+                "acquire_ms": t.acquire_ms,
+                "wait_ms": max(0.0, t.acquire_ms - parts["save_ms"] - restore),
+                **parts,
+                "limit_ms": limit_ms(t, bpt, gbps, fit),
+                "hearth_bytes": (t.reusable + t.new + len(t.reply)) * bpt,
+            }
+        )
+    return {k: v for k, v in run.items() if k != "turns"} | {"rows": rows, "summary": summarise(run, rows)}
+
+
+def summarise(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    sw = [r for r in rows if r["switched"]]
+    m, n = run["metrics"], max(1, len(rows))
+    saves = run["saves"]
+    save_spans = [(s["start"], s["end"]) for s in saves]
+    stalled_other = sum(
+        overlap(r["t_acquired"], r["t_end"], s["start"], s["end"])
+        for s in saves
+        for r in rows
+        if short_id(r["session"]) != s["session"]
+    )
+    triggers: dict[str, int] = {}
+    for s in saves:
+        if s["outcome"] == "success":
+            triggers[s["trigger"]] = triggers.get(s["trigger"], 0) + 1
+    col = {
+        k: [r[k] for r in sw if r[k] is not None]
+        for k in ("wait_ms", "save_ms", "restore_ms", "prompt_ms", "ttft_ms", "limit_ms")
+    }
+    return {
+        "calls": len(rows),
+        "switches": len(sw),
+        "switches_with_save_on_path": sum(1 for r in sw if r["save_ms"] > 0.5),
+        "p50": {k: p50(v) for k, v in col.items()},
+        "ttft_ms": summary(col["ttft_ms"]) if col["ttft_ms"] else None,
+        "all_calls_ttft_p50_ms": p50([r["ttft_ms"] for r in rows]),
+        "ttft_over_limit_p50": p50([r["ttft_ms"] / r["limit_ms"] for r in sw if r["limit_ms"] > 0]),
+        "ttft_over_restore_plus_prefill_p50": p50(
+            [r["ttft_ms"] / ((r["restore_ms"] or 0) + r["prompt_ms"]) for r in sw if r["prompt_ms"] > 0]
+        ),
+        "bytes_written_per_call": metric_sum(m, "kv_save_bytes_total") / n,
+        "bytes_read_per_call": metric_sum(m, "kv_restore_bytes_total") / n,
+        "hearth_bytes_per_call": statistics.fmean(r["hearth_bytes"] for r in rows) if rows else 0.0,
+        "full_snapshots_per_call": sum(triggers.values()) / n,
+        "saves_by_trigger": triggers,
+        "saves_skipped": {k: v for k, v in m.items() if k.startswith("kv_save_skipped")},
+        "save_stall_s": union_length(save_spans),
+        "other_calls_stalled_by_saves_s": stalled_other,
+        "own_save_waits": sum(1 for r in rows if r["own_save_ms"] > 0),
+        "own_save_wait_s": sum(r["own_save_ms"] for r in rows) / 1000,
+        "makespan_s": (max(r["t_end"] for r in rows) - min(r["t_ready"] for r in rows)) if rows else 0.0,
+    }
+
+
+# plot and main ----------------------------------------------------------------------------------------
+def plot(runs: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in runs if r.get("available") and r["summary"]["switches"]]
+    workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in ok)]
+    policies = [p for p in POLICIES if any(r["policy"] == p for r in ok)]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    first = [r for r in ok if r["workload"] == workloads[0]]
+    parts = (
+        ("wait_ms", "wait for the slot"),
+        ("save_ms", "save on the path"),
+        ("restore_ms", "restore"),
+        ("prompt_ms", "prefill"),
+    )
+    ax = axes[0]
+    for i, r in enumerate(first):
+        med, bottom = r["summary"]["p50"], 0.0
+        for j, (key, label) in enumerate(parts):
+            v = med[key] or 0.0
+            ax.bar(i, v, bottom=bottom, color=f"C{j}", label=label if i == 0 else None)
+            bottom += v
+        ax.plot([i - 0.4, i + 0.4], [med["ttft_ms"]] * 2, "k-", lw=2, label="TTFT (p50)" if i == 0 else None)
+        ax.plot(
+            [i - 0.4, i + 0.4],
+            [med["limit_ms"]] * 2,
+            "r--",
+            lw=2,
+            label="physical limit (p50)" if i == 0 else None,
+        )
+    ax.set_xticks(range(len(first)), [r["policy"] for r in first], rotation=15)
+    ax.set_ylabel("ms (medians over switches)")
+    ax.set_title(f"Where a switch's time goes ({workloads[0]})")
+    ax.legend(fontsize=7)
+    width = 0.8 / max(1, len(policies))
+    for ax, key, ylabel, title in (
+        (axes[1], "ttft", "switch TTFT p50 (ms, log)", "Switch TTFT vs the physical limit"),
+        (axes[2], "bytes", "MB written per call", "Bytes written per call"),
+    ):
+        for k, pol in enumerate(policies):
+            xs, ys = [], []
+            for i, w in enumerate(workloads):
+                found = [r for r in ok if r["workload"] == w and r["policy"] == pol]
+                if not found:
+                    continue
+                xs.append(i + k * width)
+                s = found[0]["summary"]
+                ys.append(s["p50"]["ttft_ms"] if key == "ttft" else s["bytes_written_per_call"] / 1e6)
+            ax.bar(xs, ys, width, label=pol, color=f"C{k + 4}")
+        for i, w in enumerate(workloads):
+            rs = [r for r in ok if r["workload"] == w]
+            ref = (
+                statistics.median(r["summary"]["p50"]["limit_ms"] for r in rs)
+                if key == "ttft"
+                else statistics.median(r["summary"]["hearth_bytes_per_call"] for r in rs) / 1e6
+            )
+            ax.plot(
+                [i - width / 2, i + 0.8 - width / 2],
+                [ref, ref],
+                "r--",
+                label=("physical limit" if key == "ttft" else "one full snapshot per response")
+                if i == 0
+                else None,
+            )
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], workloads)
+        if key == "ttft":
+            ax.set_yscale("log")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def run_all(p: Params, binary: Path, model: Path, work: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    all_sessions = plans(p)
+    print(f"prebuilding {len(all_sessions)} histories ...", file=sys.stderr)
+    pre = prebuild(binary, model, work, p, all_sessions)
+    seeds = work / "prebuild" / "snaps"
+    runs = []
+    for workload in p.workloads:
+        for policy in p.policies:
+            if policy == "cold" and workload not in p.cold_workloads:
+                continue
+            print(f"{workload} / {policy} ...", file=sys.stderr)
+            run = run_one(binary, model, work, seeds, p, workload, policy)
+            runs.append(run)
+            if run.get("available"):
+                done = run["turns"]
+                print(f"  {len(done)} calls in {run['wall_s']:.0f} s", file=sys.stderr)
+    return pre, runs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="single-slot workloads, 2 calls per session")
+    parser.add_argument("--policies", help=f"comma-separated subset of {','.join(POLICIES)}")
+    parser.add_argument("--workloads", help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    parser.add_argument(
+        "--hint", choices=["step_end", "turn_end", "flush"], help="send this event after each call"
+    )
+    args = parser.parse_args()
+    p = QUICK if args.quick else FULL
+    if args.policies:
+        p = Params(**{**asdict(p), "policies": tuple(args.policies.split(","))})
+    if args.workloads:
+        p = Params(**{**asdict(p), "workloads": tuple(args.workloads.split(","))})
+    if args.hint:
+        p = Params(**{**asdict(p), "hint": args.hint})
+    binary = llama_server_binary()
+    model = generate_llama_model(LLAMA3_8B_GEOMETRY, vocab_dir=vocab_dir(binary))
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
+        pre, runs = run_all(p, binary, model, Path(tmp))
+    done = [r for r in runs if r.get("available")]
+    single = [t for r in done if r["parallel"] == 1 and r["policy"] != "cold" for t in r["turns"]]
+    fit = fit_prefill(single or [t for r in done for t in r["turns"]])
+    bpt, gbps = pre["file_bytes_per_token"], pre["read_gbps"]
+    analysed = [analyse(r, bpt, gbps, fit) if r.get("available") else r for r in runs]
+    name = "agent-quick" if args.quick else "agent"
+    img = f"agent_switch{'-quick' if args.quick else ''}.png"
+    plot(analysed, ROOT / "docs" / "img" / img)
+    result = {
+        "variant": "quick" if args.quick else "full",
+        "params": asdict(p) | {"ctx_per_slot": p.ctx_per_slot},
+        "model": {
+            "shape": asdict(LLAMA3_8B_GEOMETRY),
+            "kv_bytes_per_token_f16": LLAMA3_8B_GEOMETRY.kv_bytes_per_token_f16,
+            "file_bytes_per_token": bpt,
+            "gguf_bytes": model.stat().st_size,
+        },
+        "prebuild": pre,
+        "read_gbps": gbps,
+        "prefill_fit_ms": {"a_per_token": fit[0], "b_per_token_per_context_token": fit[1]},
+        "runs": analysed,
+        "plot": img,
+        "elapsed_s": time.time() - started,
+        "machine": machine(),
+    }
+    print(write(name, result))
+    for r in analysed:
+        s = r.get("summary")
+        if s:
+            print(
+                f"{r['workload']:13} {r['policy']:18} switches {s['switches']:3} save-on-path "
+                f"{s['switches_with_save_on_path']:3} TTFT p50 {s['p50']['ttft_ms'] or 0:9.0f} ms "
+                f"limit {s['p50']['limit_ms'] or 0:7.0f} MB/call {s['bytes_written_per_call'] / 1e6:6.0f}"
+            )
+    print(f"elapsed {time.time() - started:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())

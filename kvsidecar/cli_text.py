@@ -1,0 +1,112 @@
+"""How the `kvsidecar` command prints: plain-text tables of the views the daemon (or, offline, the
+store and the doctor) returns. `--json` prints the views themselves instead."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+
+def table(rows: Sequence[Sequence[Any]], head: Sequence[str]) -> str:
+    cells = [[str(h) for h in head]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def render_status(s: dict[str, Any]) -> str:
+    out = []
+    for srv in s["servers"]:
+        out.append(
+            f"server {srv['name']} ({srv['endpoint']}): {'up' if srv['available'] else 'DOWN'}, "
+            f"persistence {srv['persistence']}, mode {srv['mode']}"
+        )
+        out.append(
+            table(
+                [[sl["id"], sl["state"], sl["owner"], sl["tokens"]] for sl in srv["slots"]],
+                ["slot", "state", "owner", "tokens"],
+            )
+        )
+    snap = s["snapshots"]
+    out.append(
+        f"snapshots: {snap['known']} known, {snap['valid']} valid, {snap['invalid']} invalid, "
+        f"{human_bytes(snap['bytes'])}; leases open: {s['leases']}"
+    )
+    st = s["stats"]
+    out.append(
+        f"acquires {st['acquires']} (resident {st['resident']}), "
+        f"restores {st['restore_hits']}/{st['restores']} ok, cold {st['cold_starts']}, "
+        f"fallbacks {st['cold_fallbacks']}, saves {st['saves']}"
+        f" ({st['save_failures']} failed), ineffective restores {st['restore_ineffective']}"
+    )
+    return "\n".join(out)
+
+
+def render_sessions(views: list[dict[str, Any]]) -> str:
+    rows = []
+    for v in views:
+        snap = v.get("snapshot") or {}
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(snap["updated_at"])) if snap else ""
+        rows.append(
+            [
+                v["session"],
+                v["provider"],
+                v["model"],
+                v["state"],
+                v.get("resident_slot"),
+                human_bytes(snap.get("bytes", 0)) if snap else "",
+                when,
+            ]
+        )
+    return (
+        table(rows, ["session", "provider", "model", "state", "slot", "snapshot", "saved"])
+        if rows
+        else "no sessions"
+    )
+
+
+def render_gc(r: dict[str, Any]) -> str:
+    rows = [
+        [
+            d["reason"],
+            d["snapshot"] or "-",
+            d["generation"] or "-",
+            human_bytes(d["bytes"]),
+            d["file"][:24],
+            {True: "deleted", False: "kept"}.get(d.get("deleted"), "planned"),
+        ]
+        for d in r["deletions"]
+    ]
+    head = "dry run: nothing deleted" if r["dry_run"] else f"freed {human_bytes(r['freed_bytes'])}"
+    lines = [
+        table(rows, ["reason", "snapshot", "gen", "bytes", "file", "action"])
+        if rows
+        else "nothing to delete",
+        f"{head}; {human_bytes(r['bytes_before'])} -> {human_bytes(r['bytes_after'])}, "
+        f"{r['snapshots_before']} -> {r['snapshots_after']} snapshots",
+    ]
+    if r["unmet"]:
+        lines.append(f"still over: {', '.join(r['unmet'])} (only protected snapshots left)")
+    return "\n".join(lines)
+
+
+def render_doctor(d: dict[str, Any]) -> str:
+    out = []
+    for srv in d["servers"]:
+        out.append(f"server {srv['server']} ({srv['endpoint']})")
+        for c in srv["checks"]:
+            out.append(f"  {c['status']:<4}  {c['name']}: {c['detail']}")
+            if c["fix"] and c["status"] in ("WARN", "FAIL"):
+                out.append(f"        fix: {c['fix']}")
+    out.append(f"Result: {d['result']}")
+    return "\n".join(out)

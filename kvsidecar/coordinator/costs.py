@@ -1,0 +1,102 @@
+"""The cost model, learned online per server (issue 15): what a save, a restore and a prefill cost here.
+
+- save and restore bandwidth, from llama-server's own `save_ms`/`restore_ms` (or the measured time) and
+  the bytes written or read;
+- KV bytes per token, from the same saves and restores;
+- prefill speed, from the `prompt_ms` the harness (or the proxy, from llama-server's timings) reports at
+  release with the number of tokens computed;
+- each session's think time: from a release to the session's next acquire.
+
+Each figure is an exponentially weighted mean (alpha 0.3) of what was seen, so a model follows a slower
+disk or a busier machine within a few operations. A prediction is None until its inputs have been seen:
+a policy that needs one it does not have falls back to today's behaviour (save before evict).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+_ALPHA = 0.3
+_THINK_SAMPLES = 16
+
+
+@dataclass
+class Ewma:
+    value: float | None = None
+    samples: int = 0
+
+    def update(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - _ALPHA) * self.value + _ALPHA * x
+        self.samples += 1
+
+
+@dataclass
+class ServerCosts:
+    save_bytes_per_s: Ewma = field(default_factory=Ewma)
+    restore_bytes_per_s: Ewma = field(default_factory=Ewma)
+    prefill_tokens_per_s: Ewma = field(default_factory=Ewma)
+    kv_bytes_per_token: Ewma = field(default_factory=Ewma)
+
+    def save_s(self, tokens: int) -> float | None:
+        """Predicted time to save a slot holding `tokens`."""
+        per_token, bw = self.kv_bytes_per_token.value, self.save_bytes_per_s.value
+        return None if per_token is None or not bw else tokens * per_token / bw
+
+    def restore_s(self, tokens: int) -> float | None:
+        per_token, bw = self.kv_bytes_per_token.value, self.restore_bytes_per_s.value
+        return None if per_token is None or not bw else tokens * per_token / bw
+
+    def prefill_s(self, tokens: int) -> float | None:
+        tps = self.prefill_tokens_per_s.value
+        return None if not tps else tokens / tps
+
+    def view(self) -> dict[str, Any]:
+        def r(e: Ewma) -> float | None:
+            return None if e.value is None else round(e.value, 1)
+
+        return {
+            "save_bytes_per_s": r(self.save_bytes_per_s),
+            "restore_bytes_per_s": r(self.restore_bytes_per_s),
+            "prefill_tokens_per_s": r(self.prefill_tokens_per_s),
+            "kv_bytes_per_token": r(self.kv_bytes_per_token),
+        }
+
+
+@dataclass
+class ThinkTimes:
+    """A session's recent gaps between a release and its next acquire (seconds)."""
+
+    samples: deque[float] = field(default_factory=lambda: deque(maxlen=_THINK_SAMPLES))
+    released_at: float | None = None
+
+    def median_s(self) -> float | None:
+        if not self.samples:
+            return None
+        ordered = sorted(self.samples)
+        return ordered[len(ordered) // 2]
+
+
+class CostModel:
+    def __init__(self) -> None:
+        self.servers: dict[str, ServerCosts] = {}
+
+    def server(self, name: str) -> ServerCosts:
+        return self.servers.setdefault(name, ServerCosts())
+
+    def observe_transfer(self, server: str, *, kind: str, nbytes: int, tokens: int, ms: float | None) -> None:
+        """A save or a restore of `nbytes` holding `tokens`, which took `ms` (llama-server's own figure)."""
+        costs = self.server(server)
+        if tokens > 0 and nbytes > 0:
+            costs.kv_bytes_per_token.update(nbytes / tokens)
+        if ms is not None and ms > 0 and nbytes > 0:
+            bw = nbytes / (ms / 1000.0)
+            (costs.save_bytes_per_s if kind == "save" else costs.restore_bytes_per_s).update(bw)
+
+    def observe_prefill(self, server: str, *, tokens: int, ms: float) -> None:
+        if tokens > 0 and ms > 0:
+            self.server(server).prefill_tokens_per_s.update(tokens / (ms / 1000.0))
+
+    def view(self) -> dict[str, dict[str, Any]]:
+        return {name: costs.view() for name, costs in self.servers.items()}

@@ -1,0 +1,178 @@
+"""Restore candidates: which generation of a snapshot is safe to hand to llama-server (spec §39-42).
+
+It owns the checks a generation passes before a restore, cheapest first: its record (not marked invalid,
+saved under the server's runtime fingerprint (Invariant 4), in the state-file format the server writes,
+within the slot's context), then its file, all through one descriptor opened without following links:
+a plain regular file of ours (one link, expected owner) whose size, header and (deep) checksum match the
+record. A generation that fails on evidence about the file is marked invalid; one that only does not fit
+this runtime is passed over and kept. After llama-server read a candidate, `confirm_unchanged` checks
+that the name is still the very file that was verified.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvsidecar.errors import KvError, SnapshotCorrupt, SnapshotNotFound
+from kvsidecar.store.confined import UnsafeFile
+from kvsidecar.store.fingerprint import RuntimeFingerprint
+from kvsidecar.store.fingerprint_records import FingerprintRecords
+from kvsidecar.store.integrity import verify_fd
+from kvsidecar.store.layout import StoreLayout
+from kvsidecar.store.manifest import GenerationRecord, Manifest
+from kvsidecar.store.naming import Generation, SnapshotIdentity
+from kvsidecar.store.table import (
+    CORRUPT,
+    FILE_MISSING,
+    FILE_UNSAFE,
+    STATE_FORMAT_CHANGED,
+    TOO_LARGE,
+    ManifestTable,
+)
+
+FileId = tuple[int, int, int, int]  # (dev, inode, size, mtime_ns)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    identity: SnapshotIdentity
+    generation: Generation
+    record: GenerationRecord
+    path: Path
+    fallback: bool  # True when the current generation was unusable and this is the previous one
+    file_id: FileId | None = None  # (dev, inode, size, mtime_ns) as verified
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rejection:
+    generation: Generation
+    reason: str
+    detail: str
+    persistent: bool  # recorded on the generation (False: only not restorable on this runtime)
+
+
+def file_id(st: os.stat_result) -> FileId:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class CandidateFinder:
+    def __init__(self, layout: StoreLayout, table: ManifestTable, records: FingerprintRecords) -> None:
+        self.layout, self.table, self.records = layout, table, records
+
+    def find(
+        self,
+        identity: SnapshotIdentity,
+        fingerprint: RuntimeFingerprint,
+        *,
+        max_tokens: int | None,
+        deep: bool,
+    ) -> tuple[Candidate | None, list[Rejection]]:
+        """The newest generation that is safe to hand to llama-server, and why others were passed over.
+
+        Invariant 4: a generation is a candidate only when its runtime fingerprint equals the server's.
+        The file must be a plain regular file of ours (one link, expected owner, not a link) and match
+        its record; `Candidate.file_id` is what was verified (see `confirm_unchanged`).
+        """
+        self.table.saw_runtime(identity.server, fingerprint.digest)
+        manifest = self.table.get(identity.key)
+        rejections: list[Rejection] = []
+        if manifest is None:
+            return None, rejections
+        known_format = self.table.observed_format_version(identity.server)
+        for gen, rec in manifest.ordered_generations():
+            rejection = self._check(rec, gen, fingerprint, known_format, max_tokens)
+            verified = None
+            if rejection is None:
+                rejection, verified = verify_generation(self.layout, manifest, gen, rec, deep=deep)
+            if rejection is None:
+                return Candidate(
+                    identity=identity,
+                    generation=gen,
+                    record=rec,
+                    path=self.layout.path_for(identity.server, rec.filename),
+                    fallback=bool(rejections) or gen != manifest.current,
+                    file_id=verified,
+                ), rejections
+            rejections.append(rejection)
+            if rejection.persistent:
+                self.table.mark_invalid(manifest.key, gen, rejection.reason)
+        return None, rejections
+
+    def confirm_unchanged(self, candidate: Candidate) -> bool:
+        """After llama-server read a candidate: is the name still the very file that was verified?
+        (Narrows the window in which the file could be swapped between our check and the server's open.)"""
+        try:
+            st = self.layout.snap[candidate.identity.server].lstat(candidate.record.filename)
+        except KvError:
+            return False
+        if st is None or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            return False
+        return candidate.file_id is None or file_id(st) == candidate.file_id
+
+    def _check(
+        self,
+        rec: GenerationRecord,
+        gen: Generation,
+        fingerprint: RuntimeFingerprint,
+        known_format: int | None,
+        max_tokens: int | None,
+    ) -> Rejection | None:
+        """The record-only checks (no I/O but a fingerprint lookup)."""
+        if rec.invalid_reason is not None:
+            return Rejection(
+                generation=gen, reason=rec.invalid_reason, detail="marked invalid", persistent=False
+            )
+        if rec.fingerprint != fingerprint.digest:
+            reason = fingerprint.mismatch_reason(self.records.components(rec.fingerprint))
+            return Rejection(
+                generation=gen, reason=reason, detail="saved under another runtime", persistent=False
+            )
+        if known_format is not None and rec.format_version != known_format:
+            return Rejection(
+                generation=gen,
+                reason=STATE_FORMAT_CHANGED,
+                detail=f"file format v{rec.format_version}, server writes v{known_format}",
+                persistent=False,
+            )
+        if max_tokens is not None and rec.tokens > max_tokens:
+            return Rejection(
+                generation=gen,
+                reason=TOO_LARGE,
+                detail=f"{rec.tokens} tokens > slot n_ctx {max_tokens}",
+                persistent=False,
+            )
+        return None
+
+
+def verify_generation(
+    layout: StoreLayout, manifest: Manifest, gen: Generation, rec: GenerationRecord, *, deep: bool
+) -> tuple[Rejection | None, FileId | None]:
+    """The file checks, all through one descriptor opened without following links."""
+    try:
+        with layout.snap[manifest.server].open_file(rec.filename) as (fd, st):
+            verify_fd(
+                fd,
+                st,
+                rec.filename,
+                size=rec.bytes,
+                format_version=rec.format_version,
+                tokens=rec.header_tokens,
+                checksum=rec.checksum,
+                deep=deep,
+            )
+            return None, file_id(st)
+    except KeyError:
+        detail = f"server {manifest.server!r} is not configured"
+        return Rejection(generation=gen, reason=FILE_MISSING, detail=detail, persistent=False), None
+    except SnapshotNotFound as exc:
+        return Rejection(generation=gen, reason=FILE_MISSING, detail=exc.message, persistent=True), None
+    except UnsafeFile as exc:
+        return Rejection(generation=gen, reason=FILE_UNSAFE, detail=exc.message, persistent=True), None
+    except SnapshotCorrupt as exc:
+        return Rejection(generation=gen, reason=CORRUPT, detail=exc.message, persistent=True), None
+    except OSError as exc:
+        detail = f"{rec.filename[:12]}: {exc.strerror}"
+        return Rejection(generation=gen, reason=CORRUPT, detail=detail, persistent=True), None

@@ -1,0 +1,170 @@
+"""Reconcile: the manifests against the files on disk, and the loose files no manifest references.
+
+At start (`reconcile`), and for one file on each watcher event (`recheck_file`), a valid generation whose
+file is missing, resized or not a plain regular file of ours is marked invalid (cheap: lstat only; the
+full checks run before a restore). Nothing here deletes a snapshot that a manifest references.
+
+Loose files are files of ours by name that nobody claims (`ManifestTable.claimed`, the one orphan rule):
+orphan snapshot files (a crash between dropping a record and deleting its file leaves one) and temp
+files a crashed metadata write left. `loose_files` lists them for reconcile's report and for retention,
+which alone deletes them (`delete_loose`, re-checked against the rule at the moment of deletion).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from kvsidecar.errors import KvError, MetadataIO
+from kvsidecar.logs import event
+from kvsidecar.store.confined import ConfinedDir, Entry, problem
+from kvsidecar.store.layout import StoreLayout
+from kvsidecar.store.manifest import GenerationRecord
+from kvsidecar.store.naming import parse_snapshot_name
+from kvsidecar.store.table import FILE_MISSING, FILE_UNSAFE, SIZE_MISMATCH, ManifestTable
+
+log = logging.getLogger("kvsidecar.store")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LooseFile:
+    """A file of ours (by name) that no manifest references: an orphan snapshot or a stale temp file."""
+
+    area: str  # a server name (snapshot directory) or "state", "manifests", "fingerprints"
+    name: str
+    bytes: int
+    mtime: float
+    kind: Literal["orphan", "temp"]
+
+
+@dataclass(kw_only=True)
+class ReconcileReport:
+    manifests: int = 0
+    invalidated: list[tuple[str, str, str]] = field(default_factory=list)  # (key, gen, reason)
+    bad_manifests: dict[str, str] = field(default_factory=dict)  # file name -> "REASON: detail"
+    orphans: list[Path] = field(default_factory=list)
+    held: list[Path] = field(default_factory=list)  # files of a bad manifest's key: kept, not orphans
+    temp_files_removed: int = 0
+    dirs_tightened: list[str] = field(default_factory=list)  # "path 0755 -> 0700"
+    dir_problems: list[str] = field(default_factory=list)  # too open and not ours to fix
+    elapsed_ms: float = 0.0
+
+
+class Reconciler:
+    def __init__(self, layout: StoreLayout, table: ManifestTable) -> None:
+        self.layout, self.table = layout, table
+
+    def reconcile(self, report: ReconcileReport | None = None) -> ReconcileReport:
+        """Compare manifests with files: missing, resized or not a plain file of ours -> invalid;
+        unreferenced files of ours -> orphans (files of a bad manifest's key are held, not orphans)."""
+        report = report or ReconcileReport()
+        listing: dict[str, dict[str, os.stat_result]] = {}
+        for server, d in self.layout.snap.items():
+            entries = scan(d)
+            if entries is not None:  # a directory that cannot be opened safely: leave its records alone
+                listing[server] = {e.name: e.st for e in entries}
+        uids = {server: d.expected_uids() for server, d in self.layout.snap.items()}
+        for m in self.table.all():
+            present = listing.get(m.server)
+            if present is None:
+                continue  # server no longer configured: leave it alone
+            for gen, rec in m.ordered_generations():
+                if not rec.valid:
+                    continue
+                reason = entry_reason(present.get(rec.filename), rec, uids[m.server])
+                if reason is not None:
+                    self.table.mark_invalid(m.key, gen, reason)
+                    report.invalidated.append((m.key, gen, reason))
+        for loose in self.loose_files(temp=False):
+            report.orphans.append(self.layout.snapshot_dirs[loose.area] / loose.name)
+        held = self.table.held_keys()
+        for server, names in listing.items():
+            for name in names:
+                parsed = parse_snapshot_name(name)
+                if parsed is not None and parsed[0] in held:
+                    report.held.append(self.layout.snapshot_dirs[server] / name)
+        return report
+
+    def loose_files(self, *, temp: bool = True) -> list[LooseFile]:
+        """Files of ours that no manifest references (the one orphan rule, used by reconcile and
+        retention): snapshot-named entries in a snapshot directory that nobody claims (not referenced,
+        not being written, not held by a bad manifest); and (temp=True) our temp files in the state
+        directories."""
+        out: list[LooseFile] = []
+        for server, d in self.layout.snap.items():
+            entries = [e for e in scan(d) or [] if not stat.S_ISDIR(e.st.st_mode)]
+            unclaimed = self.table.unclaimed([e.name for e in entries])
+            for e in entries:
+                if e.name in unclaimed:
+                    size = e.st.st_size if stat.S_ISREG(e.st.st_mode) else 0
+                    out.append(
+                        LooseFile(area=server, name=e.name, bytes=size, mtime=e.st.st_mtime, kind="orphan")
+                    )
+        for area, d in self.layout.temp.items() if temp else ():
+            for e in scan(d) or []:
+                if stat.S_ISREG(e.st.st_mode):
+                    out.append(
+                        LooseFile(
+                            area=area, name=e.name, bytes=e.st.st_size, mtime=e.st.st_mtime, kind="temp"
+                        )
+                    )
+        return out
+
+    def delete_loose(self, loose: LooseFile) -> bool:
+        """Delete an orphan or temp file found by `loose_files`, re-checking against the orphan rule, with
+        the table held still, that it is still loose (a save may have adopted the name since the listing)."""
+        d = self.layout.temp.get(loose.area) if loose.kind == "temp" else self.layout.snap.get(loose.area)
+        if d is None or (loose.kind == "orphan" and parse_snapshot_name(loose.name) is None):
+            return False
+        with self.table.holding_claims(loose.name) as unclaimed:
+            if loose.kind == "orphan" and not unclaimed:
+                return False
+            try:
+                return d.unlink(loose.name) is not None
+            except (KvError, OSError) as exc:
+                raise MetadataIO(f"cannot delete {loose.name[:40]}: {exc}") from None
+
+    def recheck_file(self, server: str, filename: str) -> str | None:
+        """An event on a snapshot file: if it no longer matches its record, mark it. Returns the reason.
+        It may write the manifest (durably): call it off the event loop."""
+        parsed = parse_snapshot_name(filename)
+        if parsed is None or server not in self.layout.snap or (server, filename) in self.table.inflight():
+            return None
+        key, gen = parsed
+        manifest = self.table.get(key)
+        rec = manifest.generation(gen) if manifest else None
+        if manifest is None or rec is None or not rec.valid or manifest.server != server:
+            return None
+        d = self.layout.snap[server]
+        try:
+            reason = entry_reason(d.lstat(filename), rec, d.expected_uids())
+        except KvError:
+            reason = FILE_MISSING
+        if reason is not None:
+            try:
+                self.table.mark_invalid(manifest.key, gen, reason)
+            except KvError:
+                return None
+        return reason
+
+
+def scan(d: ConfinedDir) -> list[Entry] | None:
+    """The directory's entries of ours; None (logged) when it cannot be opened safely."""
+    try:
+        return d.scan()
+    except (KvError, OSError) as exc:
+        event(log, logging.WARNING, "kv.store.dir_unsafe", path=d.path, error=str(exc)[:200])
+        return None
+
+
+def entry_reason(st: os.stat_result | None, rec: GenerationRecord, uids: frozenset[int]) -> str | None:
+    """Why a directory entry no longer matches its record (cheap: lstat only); None if it still does."""
+    if st is None:
+        return FILE_MISSING
+    if problem(st, uids) is not None:
+        return FILE_UNSAFE
+    return SIZE_MISMATCH if st.st_size != rec.bytes else None

@@ -1,0 +1,210 @@
+"""Saving: the A/B plan for one save, and its commit once the file is verified on disk (Invariant: A/B).
+
+A save never goes to the newest generation that still verifies: it targets the other one (`begin_save`),
+stops trusting what that target held, clears its name of anything planted there (a link, FIFO, device:
+the entry itself is removed, never what it points to) and marks the name in flight so it is nobody's
+orphan while llama-server writes it. `commit_save` checks, hashes and chmods the written file through one
+descriptor opened without following links, and only then flips the manifest to it; so the last good
+generation and its record survive any failed save. `abort_save` ends the save either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvsidecar.backend.base import SaveResult
+from kvsidecar.errors import KvError, SaveFailed, SnapshotCorrupt, SnapshotError
+from kvsidecar.logs import event
+from kvsidecar.store.candidates import verify_generation
+from kvsidecar.store.confined import UNSAFE, UnsafeFile, describe, problem
+from kvsidecar.store.fingerprint import RuntimeFingerprint
+from kvsidecar.store.fingerprint_records import FingerprintRecords
+from kvsidecar.store.integrity import Header, checksum_from_fd, header_from_fd
+from kvsidecar.store.layout import StoreLayout
+from kvsidecar.store.manifest import GenerationRecord, Manifest
+from kvsidecar.store.naming import Generation, SnapshotIdentity, other_generation
+from kvsidecar.store.table import ManifestTable
+
+log = logging.getLogger("kvsidecar.store")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavePlan:
+    identity: SnapshotIdentity
+    generation: Generation
+    filename: str
+    path: Path
+    kept: Generation | None = None  # the newest generation that verified: never the target
+
+
+class SavePlanner:
+    def __init__(self, layout: StoreLayout, table: ManifestTable, records: FingerprintRecords) -> None:
+        self.layout, self.table, self.records = layout, table, records
+
+    def begin_save(self, identity: SnapshotIdentity, *, fingerprint: RuntimeFingerprint | None) -> SavePlan:
+        """Pick the generation to write: never the newest one that still verifies (preferring one saved
+        under `fingerprint`, by default the server's runtime as last seen here). Stop trusting what the
+        target held, and clear its name of anything planted there, before the server writes it."""
+        manifest = self.table.get(identity.key)
+        runtime = fingerprint.digest if fingerprint is not None else self.table.last_runtime(identity.server)
+        kept = self._newest_verifying(manifest, runtime) if manifest is not None else None
+        with self.table.updating():
+            manifest = self.table.get(identity.key)  # _newest_verifying may have marked generations invalid
+            gen = other_generation(kept if kept is not None else manifest.current if manifest else None)
+            filename = identity.filename(gen)
+            if manifest is not None and gen in manifest.generations:
+                # The server is about to overwrite this file: the manifest must not vouch for it meanwhile.
+                # The kept generation's record stays until the new one is committed.
+                current = manifest.current if manifest.current != gen else kept
+                now = self.table.clock()
+                self.table.put(manifest.with_generation(gen, None, current=current, updated_at=now))
+        self.table.writing_started(identity.server, filename)
+        try:
+            self._clear_target(identity.server, filename)
+        except BaseException:
+            self.table.writing_ended(identity.server, filename)
+            raise
+        return SavePlan(
+            identity=identity,
+            generation=gen,
+            filename=filename,
+            path=self.layout.path_for(identity.server, filename),
+            kept=kept,
+        )
+
+    def _newest_verifying(self, manifest: Manifest, runtime: str | None) -> Generation | None:
+        """The generation a save must not touch: the newest valid one whose file still passes the cheap
+        checks (type, owner, size, header), preferring those saved under `runtime`."""
+        ordered = [(g, r) for g, r in manifest.ordered_generations() if r.valid]
+        ordered.sort(key=lambda gr: gr[1].fingerprint != runtime)  # stable: current first within each
+        for gen, rec in ordered:
+            rejection, _ = verify_generation(self.layout, manifest, gen, rec, deep=False)
+            if rejection is None:
+                return gen
+            with contextlib.suppress(KvError):
+                self.table.mark_invalid(manifest.key, gen, rejection.reason)
+        return None
+
+    def _clear_target(self, server: str, filename: str) -> None:
+        """Before the server writes `filename`: nothing may stand there that a write would go through
+        (a symlink, a hard link to someone else's file, a FIFO, a device). Such an entry is removed itself,
+        never what it points to; a directory makes the save refused. Our own old file is removed too, so
+        the server creates a fresh file (if that removal fails, the server overwrites it in place)."""
+        d = self.layout.snap[server]
+        try:
+            st = d.lstat(filename)
+            if st is None:
+                return
+            why = problem(st, d.expected_uids())
+            try:
+                d.unlink(filename)
+            except OSError as exc:
+                if why is None:
+                    return
+                raise SaveFailed(
+                    f"a {describe(st)} is at the snapshot file name and cannot be removed ({exc.strerror}); "
+                    "refusing to save through it"
+                ) from None
+        except UnsafeFile as exc:
+            raise SaveFailed(
+                f"refusing to save: {exc.message}", hint="Remove what occupies the name."
+            ) from None
+        except SnapshotError as exc:
+            raise SaveFailed(f"cannot prepare the save: {exc.message}") from None
+        if why is not None:
+            event(
+                log,
+                logging.WARNING,
+                "kv.snapshot.planted_removed",
+                file=filename[:12],
+                found=why,
+                reason=UNSAFE,
+            )
+
+    def abort_save(self, plan: SavePlan, *, discard: bool = False) -> None:
+        """The save is over. `discard`: it failed, so whatever the server left in the file is garbage
+        (a partial write after ENOSPC, say): delete it now rather than let it hold the disk. It is never
+        the kept generation (begin_save did not pick it)."""
+        if discard:
+            with contextlib.suppress(KvError, OSError):
+                self.layout.snap[plan.identity.server].unlink(plan.filename)
+        self.table.writing_ended(plan.identity.server, plan.filename)
+
+    def commit_save(
+        self,
+        plan: SavePlan,
+        result: SaveResult,
+        *,
+        fingerprint: RuntimeFingerprint,
+        revision: int,
+        session_seq: int | None,
+        checksum: bool,
+    ) -> Manifest:
+        """Verify the file the backend says it wrote; only then flip the manifest to it (Invariant: A/B).
+        The file is checked, hashed and chmod-ed through one descriptor opened without following links:
+        a link, FIFO, hard link or foreign file at the name is refused (and the entry removed)."""
+        try:
+            header, size, digest = self._check_written(plan, checksum=checksum)
+            now = self.table.clock()
+            record = GenerationRecord(
+                filename=plan.filename,
+                tokens=result.tokens,
+                header_tokens=header.tokens,
+                bytes=size,
+                checksum=digest,
+                format_version=header.version,
+                fingerprint=fingerprint.digest,
+                saved_at=now,
+                revision=revision,
+            )
+            self.records.register(fingerprint)
+            with self.table.updating():
+                manifest = self.table.put(self._committed(plan, record, now, session_seq))
+            self.table.saw_runtime(plan.identity.server, fingerprint.digest, format_version=header.version)
+            return manifest
+        except UnsafeFile as exc:
+            event(
+                log,
+                logging.WARNING,
+                "kv.snapshot.unsafe",
+                file=plan.filename[:12],
+                reason=UNSAFE,
+                detail=exc.message,
+            )
+            with contextlib.suppress(KvError, OSError):
+                self.layout.snap[plan.identity.server].unlink(plan.filename)
+            raise
+        finally:
+            self.abort_save(plan)
+
+    def _check_written(self, plan: SavePlan, *, checksum: bool) -> tuple[Header, int, str | None]:
+        """The written file's header, size and (if `checksum`) digest, read through one descriptor;
+        ours is made 0600 (transcripts), a file of llama-server's user keeps its umask."""
+        with self.layout.snap[plan.identity.server].open_file(plan.filename) as (fd, st):
+            header = header_from_fd(fd, plan.filename)
+            if st.st_uid == os.geteuid():
+                with contextlib.suppress(OSError):
+                    os.fchmod(fd, 0o600)
+            # n_written undercounts on some builds: the file itself is the truth for bytes.
+            digest = checksum_from_fd(fd) if checksum else None
+            after = os.fstat(fd)
+            if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+                raise SnapshotCorrupt(f"{plan.filename}: changed while being checked")
+        return header, st.st_size, digest
+
+    def _committed(
+        self, plan: SavePlan, record: GenerationRecord, now: float, session_seq: int | None
+    ) -> Manifest:
+        base = self.table.get(plan.identity.key) or Manifest.new(plan.identity, now)
+        return base.with_generation(
+            plan.generation,
+            record,
+            current=plan.generation,
+            updated_at=now,
+            last_used_at=now,
+            session_seq=session_seq if session_seq is not None else base.session_seq,
+        )

@@ -1,0 +1,101 @@
+"""Issue 15 on a real llama-server (--cache-ram 0): the cost-aware policy's three cases.
+
+- clean ahead: once the idle session has been cleaned in the background, a switch does no save;
+- a skipped save: the next restore brings the older generation back, the engine reuses it and computes
+  only the rest, and the answer equals a cold run's;
+- the session's own request arrives during its background save: it waits, then runs on its own slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+
+from kvsidecar.coordinator.costs import ServerCosts
+from kvsidecar.coordinator.state import Outcome, SessionRuntime
+from tests.conftest import StartServer
+from tests.integration.real_helpers import RealHarness, prompt, real_harness
+
+COST_AWARE = {"checkpoint": {"policy": "cost-aware", "idle_s": 3600}}
+
+
+def rt_of(h: RealHarness, session: str) -> SessionRuntime:
+    return next(rt for rt in h.coordinator.sessions.by_key.values() if rt.identity.session_id == session)
+
+
+def generate(base_url: str, text: str, slot_id: int) -> str:
+    body = {"prompt": text, "n_predict": 8, "temperature": 0, "cache_prompt": True, "id_slot": slot_id}
+    response = httpx.post(f"{base_url}/completion", json=body, timeout=600)
+    response.raise_for_status()
+    content = response.json()["content"]
+    assert isinstance(content, str)
+    return content
+
+
+async def test_clean_ahead_then_the_switch_does_no_save(start_llama: StartServer, tmp_path: Path) -> None:
+    h = await real_harness(start_llama(), tmp_path, **COST_AWARE)
+    try:
+        await h.turn("A")
+        await h.turn("B")  # A saved: the save bandwidth is learned
+        await h.turn("A")
+        rt = rt_of(h, "A")
+        assert rt.clean_timer is not None  # armed for when A has idled as long as its save takes
+        deadline = asyncio.get_running_loop().time() + 30
+        while rt.dirty and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)  # the timer fires by itself: the server is idle
+        assert not rt.dirty
+        h.calls()
+        r, *_ = await h.turn("B")
+        assert r.outcome is Outcome.RESTORED and h.calls() == ["restore"]  # no save on the switch
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_skipped_save_restores_the_older_generation_and_recomputes_the_rest(
+    start_llama: StartServer, tmp_path: Path
+) -> None:
+    server = start_llama()
+    h = await real_harness(server, tmp_path, **COST_AWARE)
+    try:
+        await h.turn("A")
+        await h.turn("B")  # A's first generation: 600 tokens
+        await h.turn("A")  # restored, then 600 more
+        costs = h.coordinator.costs
+        costs.servers["local"] = ServerCosts()  # a slow disk and a fast prefill, as on a big model
+        costs.observe_transfer("local", kind="save", nbytes=1 << 30, tokens=1000, ms=60_000.0)
+        costs.observe_prefill("local", tokens=100_000, ms=1_000.0)
+        h.calls()
+        await h.turn("B")
+        assert h.calls() == ["restore"]  # A evicted without a save
+        n = h.turns["A"] + 1
+        h.turns["A"] = n
+        r = await h.coordinator.acquire("A", provider="local", model="tiny")
+        assert r.outcome is Outcome.RESTORED and r.restored_tokens is not None and r.slot_id is not None
+        warm = await asyncio.to_thread(generate, server.base_url, prompt("A", n), r.slot_id)
+        assert r.lease_id is not None
+        await h.coordinator.release(r.lease_id, status="aborted")
+        httpx.post(f"{server.base_url}/slots/{r.slot_id}?action=erase", timeout=30).raise_for_status()
+        cold = await asyncio.to_thread(generate, server.base_url, prompt("A", n), r.slot_id)
+        assert warm == cold
+        assert r.restored_tokens < 2 * 600  # the older generation
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_own_request_during_its_background_save(start_llama: StartServer, tmp_path: Path) -> None:
+    h = await real_harness(start_llama(), tmp_path, **COST_AWARE)
+    try:
+        await h.turn("A")
+        await h.turn("B")
+        await h.turn("A")
+        h.calls()
+        cleaning = asyncio.ensure_future(h.coordinator.checkpoints.clean_ahead(rt_of(h, "A")))
+        while "save" not in h.backend.calls:
+            await asyncio.sleep(0.001)
+        r, _, pn, cn = await h.turn("A")  # arrives while its slot is being saved: waits, then resident
+        assert await cleaning
+        assert r.outcome is Outcome.RESIDENT and cn > pn > 0  # its own slot, the history reused
+    finally:
+        await h.coordinator.aclose()

@@ -1,0 +1,170 @@
+"""The README's Python example runs as written (watchfiles tests its docs the same way).
+
+Its ```python block is compiled from README.md itself, with the placeholders a harness would fill in
+(`token`, `session_id`, `prompt`, `call_llama`), and run against the daemon serving on a loopback port with
+the fake backend: a change to the client's API that the README does not follow fails here.
+tests/integration/test_readme_real.py runs the same block against a real llama-server.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import contextlib
+import inspect
+import re
+import typing
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import CodeType
+from typing import Any
+
+from kvsidecar.backend.fake import FakeKvBackend
+from kvsidecar.client import Lease
+from kvsidecar.config import ApiConfig
+from kvsidecar.coordinator.core import EventType
+from kvsidecar.coordinator.state import Outcome
+from kvsidecar.service import Daemon, build_server
+from kvsidecar.store.naming import SnapshotIdentity
+from kvsidecar.testing.llama import free_port
+from tests.unit.coordinator_helpers import conversation, make_config
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+TOKEN = "readme-example-token-0123456789"
+CallLlama = Callable[..., Awaitable[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Example:
+    line: int  # of the block's first line in README.md
+    source: str
+
+
+def python_blocks(text: str) -> list[Example]:
+    return [
+        Example(text.count("\n", 0, m.start(1)) + 1, m.group(1))
+        for m in re.finditer(r"^```python\n(.*?)^```$", text, re.MULTILINE | re.DOTALL)
+    ]
+
+
+def the_example() -> Example:
+    blocks = python_blocks(README.read_text())
+    assert len(blocks) == 1, "README.md has another ```python block: run it here too"
+    return blocks[0]
+
+
+def compiled(example: Example, url: str) -> CodeType:
+    """The block as a program with top-level `async with`, pointed at `url` instead of the default address
+    (which it must show). Its lines keep their README.md numbers, so a traceback points into the README."""
+    default = f'"http://{ApiConfig().listen}"'
+    assert example.source.count(default) == 1, f"the example no longer connects to {default}"
+    source = "\n" * (example.line - 1) + example.source.replace(default, repr(url))
+    code = compile(source, str(README), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+    assert isinstance(code, CodeType)
+    return code
+
+
+async def run_example(code: CodeType, **placeholders: object) -> dict[str, Any]:
+    """Run the compiled block with its placeholders defined; returns the names it left behind."""
+    namespace: dict[str, Any] = dict(placeholders)
+    result = eval(code, namespace)  # our own README; a coroutine because of the top-level await
+    if inspect.iscoroutine(result):
+        await result
+    return namespace
+
+
+def lease_of(namespace: dict[str, Any]) -> Lease:
+    lease = namespace["lease"]
+    assert isinstance(lease, Lease), lease
+    assert lease.release_result is not None  # the `async with` released it
+    return lease
+
+
+def cache_n(namespace: dict[str, Any]) -> int:
+    n = namespace["reply"]["timings"]["cache_n"]
+    assert isinstance(n, int)
+    return n
+
+
+@dataclass
+class Served:
+    url: str
+    daemon: Daemon
+    fake: FakeKvBackend
+
+
+@contextlib.asynccontextmanager
+async def serve_daemon(tmp_path: Path) -> AsyncIterator[Served]:
+    """`kvsidecar serve` in-process (API listener, lifespan, token auth) with the fake backend, one slot."""
+    (tmp_path / "token").write_text(TOKEN)
+    listen = f"127.0.0.1:{free_port()}"
+    config = make_config(tmp_path, api={"listen": listen, "token_file": str(tmp_path / "token")})
+    fake = FakeKvBackend(tmp_path / "snaps")
+    server, socks, daemon = build_server(config, backends={"local": fake}, process_finder=None, watch=False)
+    task = asyncio.ensure_future(server.serve(sockets=socks))
+    while not server.started:  # until the lifespan startup ran and the socket listens
+        if task.done():
+            task.result()
+            raise AssertionError("the daemon stopped before it served")
+        await asyncio.sleep(0.01)
+    try:
+        yield Served(f"http://{listen}", daemon, fake)
+    finally:
+        server.should_exit = True
+        await task
+
+
+def fake_llama(served: Served) -> CallLlama:
+    """The harness's own model call, here on the fake backend: llama-server's /completion in miniature."""
+
+    async def call_llama(
+        base_url: str, prompt: list[int], *, id_slot: int | None, cache_prompt: bool
+    ) -> dict[str, Any]:
+        assert base_url == served.daemon.config.servers["local"].base_url
+        assert id_slot is not None and cache_prompt
+        prompt_n, cached = served.fake.infer(id_slot, prompt)
+        timings = {"prompt_n": prompt_n, "cache_n": cached, "prompt_ms": 0.5 * prompt_n}
+        return {"content": "", "timings": timings}
+
+    return call_llama
+
+
+async def test_the_readme_example_runs_against_the_daemon(tmp_path: Path) -> None:
+    """A, then B on the one slot, then A again: restored from the snapshot the example's flush wrote."""
+    async with serve_daemon(tmp_path) as served:
+        code = compiled(the_example(), served.url)
+
+        async def turn(session: str, n: int) -> dict[str, Any]:
+            prompt = conversation(session, n)
+            return await run_example(
+                code, token=TOKEN, session_id=session, prompt=prompt, call_llama=fake_llama(served)
+            )
+
+        first = await turn("A", 1)
+        assert lease_of(first).outcome == "cold" and cache_n(first) == 0
+        a = SnapshotIdentity(server="local", provider="local", model="qwen", session_id="A")
+        manifest = served.daemon.store.get(a.key)
+        assert manifest is not None and manifest.current is not None  # the example's flush saved it
+        assert lease_of(await turn("B", 1)).outcome == "cold"
+        again = await turn("A", 2)
+        lease = lease_of(again)
+        assert lease.outcome == "restored" and cache_n(again) == len(conversation("A", 1))
+        # lease.report() reached the daemon: it checked the engine's reuse against what it restored
+        assert lease.release_result is not None
+        assert lease.release_result["restore_verification"] == "effective"
+
+
+def test_the_example_names_only_real_outcomes_and_events() -> None:
+    source = the_example().source
+    outcomes = re.search(r"# lease\.outcome: (.*)", source)
+    assert outcomes is not None
+    assert outcomes.group(1).split(" | ") == [o.value for o in Outcome]
+    events = re.search(r"# optional lifecycle hints: (.*), \.\.\.", source)
+    assert events is not None
+    assert set(events.group(1).split(", ")) <= set(typing.get_args(EventType))
+
+
+def test_python_blocks_are_found_with_their_line_numbers() -> None:
+    text = "intro\n```python\nx = 1\n```\n```bash\nls\n```\n```python\ny = 2\nz = 3\n```\n"
+    assert python_blocks(text) == [Example(3, "x = 1\n"), Example(9, "y = 2\nz = 3\n")]

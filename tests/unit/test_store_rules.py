@@ -1,0 +1,153 @@
+"""Store rules that exist once: writes off the event loop, one orphan rule, one free-disk floor."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvsidecar.config import RetentionConfig
+from kvsidecar.metrics import Metrics
+from kvsidecar.retention import Disk, Policy, RetentionJob, free_floor_bytes
+from kvsidecar.store.snapshots import FILE_MISSING, SIZE_MISMATCH, SnapshotStore
+from kvsidecar.store.watcher import SnapshotWatcher
+from tests.unit.test_store import FP, ID, Clock, save, server_writes
+
+
+@pytest.fixture
+def fsync_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The thread of every fsync from now on."""
+    seen: list[int] = []
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        seen.append(threading.get_ident())
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    yield seen
+
+
+def shared_dir_store(tmp_path: Path) -> SnapshotStore:
+    """Two servers whose snapshot_dir is the same directory (nothing in the config forbids it)."""
+    store = SnapshotStore(
+        state_dir=tmp_path / "state",
+        snapshot_dirs={"local": tmp_path / "snaps", "other": tmp_path / "snaps"},
+        clock=Clock(),
+    )
+    store.open()
+    return store
+
+
+async def test_watcher_marks_files_without_fsync_on_the_event_loop(
+    tmp_path: Path, fsync_threads: list[int]
+) -> None:
+    store = SnapshotStore(state_dir=tmp_path / "state", snapshot_dirs={"local": tmp_path / "snaps"})
+    store.open()
+    save(store, 10)
+    fsync_threads.clear()
+    seen: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue()
+    watcher = SnapshotWatcher(
+        store, asyncio.get_running_loop(), debounce_ms=10, on_invalid=lambda *a: seen.put_nowait(a)
+    )
+    watcher.start()
+    try:
+        (store.snapshot_dirs["local"] / ID.filename("a")).unlink()
+        _, _, reason = await asyncio.wait_for(seen.get(), 5)
+    finally:
+        watcher.stop()
+    assert reason == FILE_MISSING
+    m = store.get(ID.key)
+    assert m is not None and m.generations["a"].invalid_reason == FILE_MISSING  # written, durably
+    assert fsync_threads, "marking the generation wrote its manifest with fsync"
+    assert threading.get_ident() not in fsync_threads  # ... and never on the event loop's thread
+
+
+async def test_watcher_rechecks_of_two_generations_both_land(tmp_path: Path) -> None:
+    store = SnapshotStore(state_dir=tmp_path / "state", snapshot_dirs={"local": tmp_path / "snaps"})
+    store.open()
+    save(store, 10)
+    save(store, 20, revision=2)
+    seen: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue()
+    watcher = SnapshotWatcher(
+        store, asyncio.get_running_loop(), debounce_ms=10, on_invalid=lambda *a: seen.put_nowait(a)
+    )
+    watcher.start()
+    try:
+        (store.snapshot_dirs["local"] / ID.filename("a")).unlink()
+        (store.snapshot_dirs["local"] / ID.filename("b")).write_bytes(b"resized")
+        reasons = {(await asyncio.wait_for(seen.get(), 5))[1:] for _ in range(2)}
+    finally:
+        watcher.stop()
+    assert reasons == {(ID.filename("a"), FILE_MISSING), (ID.filename("b"), SIZE_MISMATCH)}
+    again = SnapshotStore(state_dir=tmp_path / "state", snapshot_dirs={"local": tmp_path / "snaps"})
+    again.load_readonly()  # what is on disk, not only in memory
+    m = again.get(ID.key)
+    assert m is not None
+    assert {g: r.invalid_reason for g, r in m.generations.items()} == {"a": FILE_MISSING, "b": SIZE_MISMATCH}
+
+
+def test_a_snapshot_in_a_shared_directory_is_nobodys_orphan(tmp_path: Path) -> None:
+    store = shared_dir_store(tmp_path)
+    save(store, 10)  # server "local"; the directory lists it under "other" too
+    assert store.loose_files() == []
+    again = SnapshotStore(
+        state_dir=tmp_path / "state",
+        snapshot_dirs={"local": tmp_path / "snaps", "other": tmp_path / "snaps"},
+    )
+    assert again.open().orphans == []
+
+
+async def test_a_file_being_written_in_a_shared_directory_is_not_collected(tmp_path: Path) -> None:
+    store = shared_dir_store(tmp_path)
+    plan = store.begin_save(ID)  # llama-server of "local" is writing it
+    plan.path.write_bytes(b"half written")
+    old = time.time() - 3600
+    os.utime(plan.path, (old, old))
+    assert store.loose_files() == []
+    job = RetentionJob(
+        store=store,
+        config=RetentionConfig(),
+        metrics=Metrics(),
+        protected_keys=set,
+        disk_usage=lambda _: Disk(total_bytes=10**12, free_bytes=10**12),
+    )
+    report = await job.run()
+    assert report["deletions"] == [] and plan.path.exists()
+    store.commit_save(plan, server_writes(plan, 10), fingerprint=FP, revision=1)
+    assert store.find_restorable(ID, FP)[0] is not None
+
+
+def test_a_real_orphan_in_a_shared_directory_is_still_found_once_per_listing(tmp_path: Path) -> None:
+    store = shared_dir_store(tmp_path)
+    name = "f" * 32 + ".a.bin"
+    (tmp_path / "snaps" / name).write_bytes(b"left behind")
+    loose = store.loose_files(temp=False)
+    assert {(f.area, f.name) for f in loose} == {("local", name), ("other", name)}
+    assert store.delete_loose(loose[0]) is True
+    assert not (tmp_path / "snaps" / name).exists()
+
+
+@pytest.mark.parametrize(
+    ("total", "min_bytes", "percent", "floor"),
+    [
+        (1001, None, 10.0, 101),  # 100.1 rounds up: the floor is never below the percentage asked for
+        (1000, None, 10.0, 100),
+        (1000, 500, 10.0, 500),  # the larger of the two
+        (10**12, 1, 0.5, 5 * 10**9),
+        (1000, None, None, None),
+        (1000, 0, None, 0),
+    ],
+)
+def test_one_free_disk_floor(
+    total: int, min_bytes: int | None, percent: float | None, floor: int | None
+) -> None:
+    got = free_floor_bytes(total_bytes=total, min_free_bytes=min_bytes, min_free_percent=percent)
+    assert got == floor
+    policy = Policy(min_free_bytes=min_bytes, min_free_percent=percent)
+    assert policy.floor(Disk(total_bytes=total, free_bytes=0)) == floor
