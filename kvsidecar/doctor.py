@@ -19,6 +19,7 @@ from kvsidecar.backend.base import BackendCapabilities, BackendSlot, KvBackend
 from kvsidecar.config import Config, Mode, ServerConfig
 from kvsidecar.errors import KvError
 from kvsidecar.gguf_meta import GgufError, read_metadata, sliding_window
+from kvsidecar.retention import free_floor_bytes
 from kvsidecar.store.atomic import atomic_write_bytes
 from kvsidecar.store.fingerprint import ProcessInfo, find_llama_process
 
@@ -280,8 +281,11 @@ class Doctor:
             report.add("disk", "WARN", f"cannot read disk usage of {directory}: {exc.strerror}")
             return
         r = self.config.retention
-        floor = max(
-            [v for v in (r.min_free_bytes, int(usage.total * (r.min_free_percent or 0) / 100)) if v] or [0]
+        floor = (
+            free_floor_bytes(
+                total_bytes=usage.total, min_free_bytes=r.min_free_bytes, min_free_percent=r.min_free_percent
+            )
+            or 0
         )
         detail = f"{usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB"
         if floor and usage.free < floor:

@@ -51,6 +51,11 @@ class Metrics:
         self.leases_expired = Counter(
             "kv_lease_expired", "Leases that ran past their TTL", ["server"], registry=r
         )
+        self._retention(r)
+        self._policy(r)
+        self._proxy(r)
+
+    def _retention(self, r: CollectorRegistry) -> None:
         self.snapshot_count = Gauge("kv_snapshot_count", "Known snapshot identities", registry=r)
         self.snapshot_bytes = Gauge("kv_snapshot_bytes", "Bytes of known snapshot files", registry=r)
         self.gc_deleted = Counter("kv_gc_deleted", "Files deleted by retention", ["reason"], registry=r)
@@ -58,6 +63,8 @@ class Metrics:
             "kv_gc_deleted_bytes", "Bytes deleted by retention", ["reason"], registry=r
         )
 
+    def _policy(self, r: CollectorRegistry) -> None:
+        """The cost-aware checkpoint policy and its cost model (issue 15)."""
         self.save_skipped = Counter(
             "kv_save_skipped",
             "Evictions without a save, by reason (recompute_cheaper: the last snapshot is a prefix of the "
@@ -86,6 +93,7 @@ class Metrics:
             registry=r,
         )
 
+    def _proxy(self, r: CollectorRegistry) -> None:
         self.proxy_request = Counter(
             "kv_proxy_request",
             "Proxied requests: kind managed/passthrough/refused; result ok/error/aborted/unavailable or "

@@ -34,7 +34,6 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from kvsidecar.backend.base import KvBackend
 from kvsidecar.config import Config
 from kvsidecar.coordinator import views
-from kvsidecar.coordinator.breaker import CircuitBreaker
 from kvsidecar.coordinator.canary import sweep_canary_files
 from kvsidecar.coordinator.checkpoint import CheckpointPolicy
 from kvsidecar.coordinator.costs import CostModel
@@ -43,8 +42,8 @@ from kvsidecar.coordinator.pool import SlotPool, owner_slot
 from kvsidecar.coordinator.restore import Restorer
 from kvsidecar.coordinator.runtime import RuntimeGuard
 from kvsidecar.coordinator.save import Saver
-from kvsidecar.coordinator.server import ProcessFinder, ServerRuntime
-from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
+from kvsidecar.coordinator.server import ProcessFinder, ServerRuntime, build_servers
+from kvsidecar.coordinator.sessions import SessionEvent, SessionTable, track_context
 from kvsidecar.coordinator.state import AcquireResult, Lease, Outcome, SessionRuntime, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import LeaseNotFound, NotFound
@@ -81,7 +80,7 @@ class Coordinator:
         self.metrics = metrics or Metrics()
         self.clock = clock
         self.acquire_timeout_s = acquire_timeout_s
-        self.servers = _servers(config, backends, process_finder, process_check, digests, monotonic)
+        self.servers = build_servers(config, backends, process_finder, process_check, digests, monotonic)
         self.scheduler = AsyncIOScheduler(timezone="UTC")  # the daemon's retention job runs on it
         self.telemetry = Telemetry(self.metrics)
         self.costs = CostModel()
@@ -303,7 +302,7 @@ class Coordinator:
             rt.dirty_revision += 1
             self.sessions.apply(rt, SessionEvent.RAN)
             out.update(dirty=True, revision=rt.dirty_revision)
-            _track_context(rt, prompt_tokens, cached_tokens)
+            track_context(rt, prompt_tokens, cached_tokens)
             if rt.verify_tokens is not None:
                 out["restore_verification"] = self.restorer.verify_reuse(
                     srv, rt, prompt_tokens, cached_tokens
@@ -429,43 +428,3 @@ class Coordinator:
             stats=self.telemetry.stats(),
             costs=self.costs.view(),
         )
-
-
-def _servers(
-    config: Config,
-    backends: dict[str, KvBackend],
-    process_finder: ProcessFinder | None,
-    process_check: Callable[[ProcessInfo], bool] | None,
-    digests: FileDigestCache | None,
-    monotonic: Callable[[], float],
-) -> dict[str, ServerRuntime]:
-    """One runtime per configured server, each with its own breaker (different servers share nothing)."""
-    return {
-        name: ServerRuntime(
-            name=name,
-            config=cfg,
-            backend=backends[name],
-            breaker=CircuitBreaker(
-                max_consecutive_failures=config.failure.max_consecutive_failures,
-                cooldown_s=config.failure.cooldown_s,
-                clock=monotonic,
-            ),
-            process_finder=process_finder,
-            process_check=process_check,
-            digests=digests,
-        )
-        for name, cfg in config.servers.items()
-    }
-
-
-def _track_context(rt: SessionRuntime, prompt_tokens: int | None, cached_tokens: int | None) -> None:
-    """After a turn: how many tokens the slot's prompt has, and whether the snapshot the slot extends is
-    still its prefix (the engine reused at least that much). Unknown counts end the append-only claim."""
-    if prompt_tokens is None or cached_tokens is None:
-        rt.append_only, rt.context_tokens = False, None
-        return
-    rt.context_tokens = prompt_tokens + cached_tokens
-    # A snapshot ends with the tokens the model generated; the next prompt carries the reply as the
-    # harness renders it, which may tokenize differently: a few trailing tokens may be recomputed.
-    if rt.base_tokens is None or cached_tokens + max(8, rt.base_tokens // 50) < rt.base_tokens:
-        rt.append_only = False

@@ -138,15 +138,7 @@ class Restorer:
             self.sessions.apply(rt, SessionEvent.RESTORE_FAILED)
             self.telemetry.restore_voided(rt)
             return False
-        if not await asyncio.to_thread(self.store.confirm_unchanged, candidate):
-            # The name no longer is the file we verified: llama-server may have read something else.
-            with contextlib.suppress(KvError):
-                await asyncio.to_thread(
-                    self.store.mark_invalid, rt.key, candidate.generation, "SNAPSHOT_FILE_UNSAFE"
-                )
-            result.outcome, result.reason = Outcome.COLD_FALLBACK, "SNAPSHOT_FILE_UNSAFE"
-            self.sessions.apply(rt, SessionEvent.RESTORE_FAILED)
-            self.telemetry.restore_voided(rt)
+        if not await self._still_the_verified_file(rt, candidate, result):
             return False
         self.guard.breaker_success(srv)
         result.outcome, result.restored_tokens = Outcome.RESTORED, restored.tokens
@@ -166,6 +158,22 @@ class Restorer:
         self.telemetry.costs(srv.name, self.costs.server(srv.name).view())
         self.store.touch(rt.key, persist=False)
         return True
+
+    async def _still_the_verified_file(
+        self, rt: SessionRuntime, candidate: Candidate, result: AcquireResult
+    ) -> bool:
+        """After llama-server read the file: is the name still the file we verified? (A swap in between
+        means the server may have read something else: the restore does not count.)"""
+        if await asyncio.to_thread(self.store.confirm_unchanged, candidate):
+            return True
+        with contextlib.suppress(KvError):
+            await asyncio.to_thread(
+                self.store.mark_invalid, rt.key, candidate.generation, "SNAPSHOT_FILE_UNSAFE"
+            )
+        result.outcome, result.reason = Outcome.COLD_FALLBACK, "SNAPSHOT_FILE_UNSAFE"
+        self.sessions.apply(rt, SessionEvent.RESTORE_FAILED)
+        self.telemetry.restore_voided(rt)
+        return False
 
     async def _failed(
         self,

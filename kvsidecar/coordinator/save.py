@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from functools import partial
 
+from kvsidecar.backend.base import SaveResult
 from kvsidecar.config import Config
 from kvsidecar.coordinator.breaker import BreakerState
 from kvsidecar.coordinator.costs import CostModel
@@ -104,22 +106,51 @@ class Saver:
                 session_seq=rt.seq,
             )
         except KvError as exc:
-            if plan is not None:  # off the loop: it deletes the partial file
-                await asyncio.to_thread(self.store.abort_save, plan, discard=True)
-            self._after_save()
-            self.guard.breaker_failure(srv, exc)
-            self.telemetry.save_failed(srv.name, rt, trigger, exc)
-            self.sessions.apply(rt, SessionEvent.SAVE_FAILED, resident=slot.owner == rt.key)
-            rt.last_error = exc.code
-            if self.config.failure.strict:
-                raise
+            await self._failed(srv, slot, rt, plan, exc, trigger)
             return False
         except BaseException:  # cancelled: no half-written file left behind, no session stuck in SAVING
-            if plan is not None:  # on the loop: a cancelled task cannot wait for a thread
-                self.store.abort_save(plan, discard=True)
+            if plan is not None:  # a cancelled task cannot wait for a thread: the deletion runs on its own
+                asyncio.get_running_loop().run_in_executor(
+                    None, partial(self.store.abort_save, plan, discard=True)
+                )
             self._after_save()
             self.sessions.apply(rt, SessionEvent.SAVE_FAILED, resident=resident)
             raise
+        self._saved(srv, slot, rt, saved, revision=revision, trigger=trigger, started=started)
+        if actions is not None:
+            actions.append(f"save {rt.identity.short}")
+        return True
+
+    async def _failed(
+        self,
+        srv: ServerRuntime,
+        slot: Slot,
+        rt: SessionRuntime,
+        plan: SavePlan | None,
+        exc: KvError,
+        trigger: str,
+    ) -> None:
+        if plan is not None:  # off the loop: it deletes the partial file
+            await asyncio.to_thread(self.store.abort_save, plan, discard=True)
+        self._after_save()  # a full disk is a reason to run retention now
+        self.guard.breaker_failure(srv, exc)
+        self.telemetry.save_failed(srv.name, rt, trigger, exc)
+        self.sessions.apply(rt, SessionEvent.SAVE_FAILED, resident=slot.owner == rt.key)
+        rt.last_error = exc.code
+        if self.config.failure.strict:
+            raise exc
+
+    def _saved(
+        self,
+        srv: ServerRuntime,
+        slot: Slot,
+        rt: SessionRuntime,
+        saved: SaveResult,
+        *,
+        revision: int,
+        trigger: str,
+        started: float,
+    ) -> None:
         self.guard.breaker_success(srv)
         rt.saved_revision = max(rt.saved_revision, revision)
         rt.base_tokens, rt.append_only = saved.tokens, True
@@ -129,14 +160,9 @@ class Saver:
         )
         self.telemetry.costs(srv.name, self.costs.server(srv.name).view())
         self.sessions.apply(rt, SessionEvent.SAVED, resident=slot.owner == rt.key)
-        self.telemetry.saved(
-            srv.name, rt, trigger, saved.tokens, saved.bytes_written, (self.monotonic() - started) * 1000
-        )
-        if actions is not None:
-            actions.append(f"save {rt.identity.short}")
-        if self.after_save is not None:
-            self.after_save()
-        return True
+        elapsed_ms = (self.monotonic() - started) * 1000
+        self.telemetry.saved(srv.name, rt, trigger, saved.tokens, saved.bytes_written, elapsed_ms)
+        self._after_save()
 
     def _after_save(self) -> None:
         if self.after_save is not None:

@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 
 from kvsidecar.backend.base import BackendCapabilities, KvBackend
-from kvsidecar.config import Mode, ServerConfig
+from kvsidecar.config import Config, Mode, ServerConfig
 from kvsidecar.coordinator.breaker import CircuitBreaker
 from kvsidecar.coordinator.state import Slot
 from kvsidecar.errors import KvError
@@ -286,3 +286,30 @@ def _restart_reason(
     if not was_available and not same_evidence:
         return True, "was unreachable"
     return False, None
+
+
+def build_servers(
+    config: Config,
+    backends: dict[str, KvBackend],
+    process_finder: ProcessFinder | None,
+    process_check: Callable[[ProcessInfo], bool] | None,
+    digests: FileDigestCache | None,
+    monotonic: Callable[[], float],
+) -> dict[str, ServerRuntime]:
+    """One runtime per configured server, each with its own breaker (different servers share nothing)."""
+    return {
+        name: ServerRuntime(
+            name=name,
+            config=cfg,
+            backend=backends[name],
+            breaker=CircuitBreaker(
+                max_consecutive_failures=config.failure.max_consecutive_failures,
+                cooldown_s=config.failure.cooldown_s,
+                clock=monotonic,
+            ),
+            process_finder=process_finder,
+            process_check=process_check,
+            digests=digests,
+        )
+        for name, cfg in config.servers.items()
+    }

@@ -155,3 +155,16 @@ _NEEDS_RESTING = {
     SessionEvent.LOST,
     SessionEvent.RESTORE_FAILED,
 }
+
+
+def track_context(rt: SessionRuntime, prompt_tokens: int | None, cached_tokens: int | None) -> None:
+    """After a turn: how many tokens the slot's prompt has, and whether the snapshot the slot extends is
+    still its prefix (the engine reused at least that much). Unknown counts end the append-only claim."""
+    if prompt_tokens is None or cached_tokens is None:
+        rt.append_only, rt.context_tokens = False, None
+        return
+    rt.context_tokens = prompt_tokens + cached_tokens
+    # A snapshot ends with the tokens the model generated; the next prompt carries the reply as the
+    # harness renders it, which may tokenize differently: a few trailing tokens may be recomputed.
+    if rt.base_tokens is None or cached_tokens + max(8, rt.base_tokens // 50) < rt.base_tokens:
+        rt.append_only = False

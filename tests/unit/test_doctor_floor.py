@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+from collections import namedtuple
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvsidecar.backend.fake import FakeKvBackend
+from kvsidecar.doctor import Doctor, DoctorReport
+from tests.unit.coordinator_helpers import make_config
+
+
+def test_disk_check_uses_retentions_free_floor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """10 % of 1001 bytes is 100.1: retention keeps 101 bytes free, so the doctor warns at 100 free."""
+    usage = namedtuple("usage", "total used free percent")(1001, 901, 100, 90.0)
+    monkeypatch.setattr(psutil, "disk_usage", lambda _path: usage)
+    config = make_config(tmp_path, retention={"min_free_percent": 10.0})
+    doctor = Doctor(
+        config=config,
+        server="local",
+        backend=FakeKvBackend(tmp_path / "snaps"),
+        process_finder=lambda _url: None,
+    )
+    report = DoctorReport(server="local", endpoint="")
+    doctor._disk(report)
+    assert [c.status for c in report.checks if c.name == "disk"] == ["WARN"]
