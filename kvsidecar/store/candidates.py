@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,9 +59,40 @@ def file_id(st: os.stat_result) -> FileId:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+class VerifiedFiles:
+    """Files this daemon has checksummed (after a save, or before a restore), by what would change if
+    anyone wrote them: device, inode, size, mtime_ns and ctime_ns (a writer can put mtime back with
+    utime, never ctime). A file whose identity is unchanged is not hashed again before its next restore:
+    at real KV sizes the hash is most of a switch's own cost (issue 15). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._known: dict[tuple[str, str], tuple[tuple[int, ...], str]] = {}
+
+    @staticmethod
+    def _key(st: os.stat_result) -> tuple[int, ...]:
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def remember(self, server: str, filename: str, st: os.stat_result, checksum: str) -> None:
+        with self._lock:
+            self._known[(server, filename)] = (self._key(st), checksum)
+
+    def known(self, server: str, filename: str, st: os.stat_result, checksum: str | None) -> bool:
+        with self._lock:
+            entry = self._known.get((server, filename))
+        return checksum is not None and entry == (self._key(st), checksum)
+
+
 class CandidateFinder:
-    def __init__(self, layout: StoreLayout, table: ManifestTable, records: FingerprintRecords) -> None:
+    def __init__(
+        self,
+        layout: StoreLayout,
+        table: ManifestTable,
+        records: FingerprintRecords,
+        verified: VerifiedFiles | None = None,
+    ) -> None:
         self.layout, self.table, self.records = layout, table, records
+        self.verified = verified or VerifiedFiles()
 
     def find(
         self,
@@ -86,7 +118,9 @@ class CandidateFinder:
             rejection = self._check(rec, gen, fingerprint, known_format, max_tokens)
             verified = None
             if rejection is None:
-                rejection, verified = verify_generation(self.layout, manifest, gen, rec, deep=deep)
+                rejection, verified = verify_generation(
+                    self.layout, manifest, gen, rec, deep=deep, verified=self.verified
+                )
             if rejection is None:
                 return Candidate(
                     identity=identity,
@@ -148,11 +182,21 @@ class CandidateFinder:
 
 
 def verify_generation(
-    layout: StoreLayout, manifest: Manifest, gen: Generation, rec: GenerationRecord, *, deep: bool
+    layout: StoreLayout,
+    manifest: Manifest,
+    gen: Generation,
+    rec: GenerationRecord,
+    *,
+    deep: bool,
+    verified: VerifiedFiles | None = None,
 ) -> tuple[Rejection | None, FileId | None]:
-    """The file checks, all through one descriptor opened without following links."""
+    """The file checks, all through one descriptor opened without following links. With `verified`, a
+    file this daemon already checksummed and nobody wrote since gets the cheap checks only."""
     try:
         with layout.snap[manifest.server].open_file(rec.filename) as (fd, st):
+            hashed = deep and not (
+                verified is not None and verified.known(manifest.server, rec.filename, st, rec.checksum)
+            )
             verify_fd(
                 fd,
                 st,
@@ -161,8 +205,10 @@ def verify_generation(
                 format_version=rec.format_version,
                 tokens=rec.header_tokens,
                 checksum=rec.checksum,
-                deep=deep,
+                deep=hashed,
             )
+            if hashed and verified is not None and rec.checksum is not None:
+                verified.remember(manifest.server, rec.filename, os.fstat(fd), rec.checksum)
             return None, file_id(st)
     except KeyError:
         detail = f"server {manifest.server!r} is not configured"

@@ -19,7 +19,7 @@ from pathlib import Path
 from kvsidecar.backend.base import SaveResult
 from kvsidecar.errors import KvError, SaveFailed, SnapshotCorrupt, SnapshotError
 from kvsidecar.logs import event
-from kvsidecar.store.candidates import verify_generation
+from kvsidecar.store.candidates import VerifiedFiles, verify_generation
 from kvsidecar.store.confined import UNSAFE, UnsafeFile, describe, problem
 from kvsidecar.store.fingerprint import RuntimeFingerprint
 from kvsidecar.store.fingerprint_records import FingerprintRecords
@@ -42,7 +42,14 @@ class SavePlan:
 
 
 class SavePlanner:
-    def __init__(self, layout: StoreLayout, table: ManifestTable, records: FingerprintRecords) -> None:
+    def __init__(
+        self,
+        layout: StoreLayout,
+        table: ManifestTable,
+        records: FingerprintRecords,
+        verified: VerifiedFiles | None = None,
+    ) -> None:
+        self.verified = verified
         self.layout, self.table, self.records = layout, table, records
 
     def begin_save(self, identity: SnapshotIdentity, *, fingerprint: RuntimeFingerprint | None) -> SavePlan:
@@ -194,6 +201,8 @@ class SavePlanner:
             after = os.fstat(fd)
             if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
                 raise SnapshotCorrupt(f"{plan.filename}: changed while being checked")
+            if digest is not None and self.verified is not None:  # the next restore need not hash it
+                self.verified.remember(plan.identity.server, plan.filename, after, digest)
         return header, st.st_size, digest
 
     def _committed(

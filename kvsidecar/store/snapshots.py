@@ -29,7 +29,7 @@ from pathlib import Path
 
 from kvsidecar.backend.base import SaveResult
 from kvsidecar.errors import KvError, MetadataIO
-from kvsidecar.store.candidates import Candidate, CandidateFinder, Rejection
+from kvsidecar.store.candidates import Candidate, CandidateFinder, Rejection, VerifiedFiles
 from kvsidecar.store.fingerprint import RuntimeFingerprint
 from kvsidecar.store.fingerprint_records import FingerprintRecords
 from kvsidecar.store.layout import StoreLayout
@@ -85,8 +85,9 @@ class SnapshotStore:
         self.table = ManifestTable(self.layout, clock=clock)
         self.records = FingerprintRecords(self.layout.fingerprint_dir)
         self.reconciler = Reconciler(self.layout, self.table)
-        self.saves = SavePlanner(self.layout, self.table, self.records)
-        self.candidates = CandidateFinder(self.layout, self.table, self.records)
+        self.verified = VerifiedFiles()  # checksummed by this daemon and unchanged since: not re-hashed
+        self.saves = SavePlanner(self.layout, self.table, self.records, self.verified)
+        self.candidates = CandidateFinder(self.layout, self.table, self.records, self.verified)
         self.dir_problems: list[str] = []
 
     # lifecycle ---------------------------------------------------------------------------------------

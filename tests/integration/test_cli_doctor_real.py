@@ -95,9 +95,10 @@ def test_cli_against_a_live_daemon(daemon: tuple[Path, LlamaServer]) -> None:
     assert code == 0 and "server local" in out and "restores" in out
     code, out, _ = cli(config, "sessions", "--json")
     views = json.loads(out)
-    states = {v["state"] for v in views}
-    # B is resident: dirty, or already cleaned ahead in the background by the cost-aware policy
-    assert code == 0 and len(views) == 2 and states in ({"saved", "active_dirty"}, {"saved", "active_clean"})
+    states = sorted(v["state"] for v in views)
+    # B is resident: dirty, being cleaned ahead in the background (cost-aware policy), or already clean
+    assert code == 0 and len(views) == 2 and "saved" in states
+    assert set(states) - {"saved"} <= {"active_dirty", "saving", "active_clean"}
     code, out, _ = cli(config, "show", "sess-A", "--json")
     assert code == 0 and json.loads(out)["session"][0]["session"] == "sess-A"
     assert cli(config, "save", "sess-B")[0] == 0

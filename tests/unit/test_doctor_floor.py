@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from collections import namedtuple
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import pytest
@@ -11,9 +11,16 @@ from kvsidecar.doctor import Doctor, DoctorReport
 from tests.unit.coordinator_helpers import make_config
 
 
+class Usage(NamedTuple):
+    total: int
+    used: int
+    free: int
+    percent: float
+
+
 def test_disk_check_uses_retentions_free_floor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """10 % of 1001 bytes is 100.1: retention keeps 101 bytes free, so the doctor warns at 100 free."""
-    usage = namedtuple("usage", "total used free percent")(1001, 901, 100, 90.0)
+    usage = Usage(total=1001, used=901, free=100, percent=90.0)
     monkeypatch.setattr(psutil, "disk_usage", lambda _path: usage)
     config = make_config(tmp_path, retention={"min_free_percent": 10.0})
     doctor = Doctor(
