@@ -39,7 +39,9 @@ class Metrics:
             buckets=_MS_BUCKETS,
             registry=r,
         )
-        self.cold = Counter("kv_cold_prefill", "Acquires that start cold", ["server", "reason"], registry=r)
+        self.cold = Counter(
+            "kv_cold_prefill", "Session acquires that start cold", ["server", "outcome", "reason"], registry=r
+        )
         self.switch = Counter("kv_slot_switch", "Slot owner changes", ["server"], registry=r)
         self.invalidated = Counter(
             "kv_snapshot_invalidated", "Generations marked unusable", ["reason"], registry=r

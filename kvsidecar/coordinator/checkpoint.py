@@ -58,7 +58,9 @@ class CheckpointPolicy:
         telemetry: Telemetry,
         spawn: Callable[[Awaitable[Any]], asyncio.Task[Any]],
         monotonic: Callable[[], float] = time.monotonic,
+        acquire_timeout_s: float | None = None,
     ) -> None:
+        self.acquire_timeout_s = acquire_timeout_s
         self.costs = costs
         self.telemetry = telemetry
         self.config = config
@@ -87,12 +89,15 @@ class CheckpointPolicy:
         """Cost-aware: is recomputing since the newest saved generation cheaper than saving the slot?"""
         if self.config.checkpoint.policy != "cost-aware" or not rt.append_only:
             return False
-        base, now = rt.base_tokens, rt.context_tokens
+        base, now, fingerprint = rt.base_tokens, rt.context_tokens, srv.fingerprint
+        if base is None or now is None or now <= base or fingerprint is None:
+            return False
+        # The generation the slot extends must be the newest valid one and restorable on this runtime.
         manifest = self.sessions.store.get(rt.key)
-        newest = (
-            next((rec for _, rec in manifest.ordered_generations() if rec.valid), None) if manifest else None
-        )
-        if base is None or now is None or newest is None or newest.tokens != base or now <= base:
+        valid = [(g, r) for g, r in manifest.ordered_generations() if r.valid] if manifest else []
+        if not valid or valid[0][0] != rt.base_generation or valid[0][1].tokens != base:
+            return False
+        if valid[0][1].fingerprint != fingerprint.digest or (valid[0][0], fingerprint.digest) in rt.refused:
             return False
         costs = self.costs.server(srv.name)
         recompute_s, save_s = costs.prefill_s(now - base), costs.save_s(now)
@@ -132,7 +137,9 @@ class CheckpointPolicy:
             "disposed": cp.on_disposed,
         }.get(type_, False)
         if not wanted and type_ == "turn_end" and self.config.checkpoint.policy == "cost-aware":
-            return await self.clean_ahead(rt)  # the harness says the model is done for now: clean early
+            # the harness says the model is done for now: clean early, without holding the hint's caller
+            self.spawn(self.clean_ahead(rt))
+            return False
         return bool(wanted) and await self.checkpoint(rt, type_)
 
     # idle timers --------------------------------------------------------------------------------------
@@ -159,7 +166,7 @@ class CheckpointPolicy:
         if rt is None:
             return
         rt.idle_timer = None
-        if not self.active or rt.idle_due is None:
+        if not self.active or rt.idle_due is None or self.config.checkpoint.idle_s is None:
             return
         remaining = rt.idle_due - self.monotonic()
         if remaining > 0.001:  # a request came in since the timer was armed: wait for the new deadline
@@ -197,7 +204,14 @@ class CheckpointPolicy:
         """Save a dirty, idle session in the background if its server is idle and it is the next victim."""
         srv = self.servers.get(rt.identity.server)
         slot = owner_slot(srv, rt.key) if srv else None
-        if srv is None or slot is None or not rt.dirty or not self.active:
+        cost_aware = self.config.checkpoint.policy == "cost-aware"  # SIGHUP may have turned it off
+        if srv is None or slot is None or not rt.dirty or not self.active or not cost_aware:
+            return False
+        save_s = self.costs.server(srv.name).save_s(rt.context_tokens or 0)
+        wait_s = self.acquire_timeout_s if self.acquire_timeout_s is not None else srv.config.slot_wait_s
+        if save_s is None or save_s > wait_s / 2:
+            # the session's own request, arriving during the save, must never time out waiting for it
+            self.telemetry.clean_ahead(srv.name, rt, "too_long")
             return False
         busy = any(isinstance(s.holder, Lease | str) for s in srv.slots.values() if s is not slot)
         if not slot.free or srv.waiters or (busy and not self.config.checkpoint.clean_ahead_while_busy):
@@ -209,6 +223,13 @@ class CheckpointPolicy:
         saved = await self.checkpoint(rt, "clean_ahead", only_revision=rt.dirty_revision)
         self.telemetry.clean_ahead(srv.name, rt, "saved" if saved else "superseded")
         return saved
+
+    def policy_changed(self) -> None:
+        """SIGHUP changed the policy: pending clean-ahead checks belong to the old one."""
+        for rt in self.sessions.by_key.values():
+            if rt.clean_timer is not None:
+                rt.clean_timer.cancel()
+                rt.clean_timer = None
 
     def close(self) -> None:
         self.active = False

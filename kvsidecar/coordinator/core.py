@@ -116,6 +116,7 @@ class Coordinator:
             telemetry=self.telemetry,
             spawn=self.spawn,
             monotonic=monotonic,
+            acquire_timeout_s=acquire_timeout_s,
         )
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
@@ -400,8 +401,11 @@ class Coordinator:
         ]
         live = config.model_copy(update={k: getattr(self.config, k) for k in needs_restart})
         self.config = live
+        policy_changed = live.checkpoint.policy != self.checkpoints.config.checkpoint.policy
         for part in (self.restorer, self.saver, self.checkpoints):
             part.config = live
+        if policy_changed:
+            self.checkpoints.policy_changed()
         for srv in self.servers.values():
             srv.breaker.max_consecutive_failures = live.failure.max_consecutive_failures
             srv.breaker.base_cooldown_s = live.failure.cooldown_s

@@ -132,13 +132,12 @@ class Restorer:
         except KvError as exc:
             await self._failed(srv, slot, rt, candidate, exc, result)
             return False
-        # The closing bracket: a restart during the restore means the KV went into an unknown runtime.
-        if not await self.guard.same_runtime(srv) or srv.epoch != epoch or srv.fingerprint != fingerprint:
-            result.outcome, result.reason = Outcome.COLD_FALLBACK, "server restarted during restore"
+        try:
+            confirmed = await self._confirmed(srv, rt, candidate, fingerprint, epoch, result)
+        except BaseException:  # cancelled, or the checks themselves failed: never left RESTORING
             self.sessions.apply(rt, SessionEvent.RESTORE_FAILED)
-            self.telemetry.restore_voided(rt)
-            return False
-        if not await self._still_the_verified_file(rt, candidate, result):
+            raise
+        if not confirmed:
             return False
         self.guard.breaker_success(srv)
         result.outcome, result.restored_tokens = Outcome.RESTORED, restored.tokens
@@ -149,7 +148,7 @@ class Restorer:
         self.sessions.apply(rt, SessionEvent.RESTORED)
         rt.verify_tokens, rt.saved_revision = restored.tokens, rt.dirty_revision
         rt.base_tokens = rt.context_tokens = slot.tokens = restored.tokens
-        rt.append_only = True
+        rt.base_generation, rt.append_only = candidate.generation, True
         self.telemetry.restored(srv.name, restored.bytes_read, restored.measured_ms)
         ms = restored.server_ms if restored.server_ms else restored.measured_ms
         self.costs.observe_transfer(
@@ -159,12 +158,34 @@ class Restorer:
         self.store.touch(rt.key, persist=False)
         return True
 
+    async def _confirmed(
+        self,
+        srv: ServerRuntime,
+        rt: SessionRuntime,
+        candidate: Candidate,
+        fingerprint: RuntimeFingerprint,
+        epoch: int,
+        result: AcquireResult,
+    ) -> bool:
+        """The closing bracket: the server is still the runtime the file belongs to (a restart during the
+        restore means the KV went into an unknown runtime), and the file is still the one we verified."""
+        if not await self.guard.same_runtime(srv) or srv.epoch != epoch or srv.fingerprint != fingerprint:
+            result.outcome, result.reason = Outcome.COLD_FALLBACK, "server restarted during restore"
+            self.sessions.apply(rt, SessionEvent.RESTORE_FAILED)
+            self.telemetry.restore_voided(rt)
+            return False
+        return await self._still_the_verified_file(rt, candidate, result)
+
     async def _still_the_verified_file(
         self, rt: SessionRuntime, candidate: Candidate, result: AcquireResult
     ) -> bool:
         """After llama-server read the file: is the name still the file we verified? (A swap in between
         means the server may have read something else: the restore does not count.)"""
-        if await asyncio.to_thread(self.store.confirm_unchanged, candidate):
+        try:
+            unchanged = await asyncio.to_thread(self.store.confirm_unchanged, candidate)
+        except OSError:  # cannot tell: the restore does not count
+            unchanged = False
+        if unchanged:
             return True
         with contextlib.suppress(KvError):
             await asyncio.to_thread(
@@ -212,10 +233,10 @@ class Restorer:
                 self.guard.breaker_failure(srv, exc)
                 self.telemetry.erase_failed(slot.id, exc)
         slot.tokens = 0
-        rt.verify_tokens = rt.base_tokens = rt.context_tokens = None
+        rt.verify_tokens = rt.base_tokens = rt.context_tokens = rt.base_generation = None
         rt.append_only = False
         self.sessions.apply(rt, SessionEvent.COLD_START)
-        self.telemetry.cold(srv.name, result.reason)
+        self.telemetry.cold(srv.name, result.outcome, result.reason)
 
     def verify_reuse(
         self, srv: ServerRuntime, rt: SessionRuntime, prompt_tokens: int | None, cached_tokens: int | None

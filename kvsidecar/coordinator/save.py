@@ -116,6 +116,7 @@ class Saver:
             self._after_save()
             self.sessions.apply(rt, SessionEvent.SAVE_FAILED, resident=resident)
             raise
+        rt.base_generation = plan.generation
         self._saved(srv, slot, rt, saved, revision=revision, trigger=trigger, started=started)
         if actions is not None:
             actions.append(f"save {rt.identity.short}")

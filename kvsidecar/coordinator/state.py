@@ -53,6 +53,7 @@ class SessionRuntime:
     # content extends (set by a restore or a save), the prompt size last reported, and whether every turn
     # since kept that snapshot as a prefix (the engine reused at least its tokens: append-only history).
     base_tokens: int | None = None
+    base_generation: str | None = None  # which generation that snapshot is
     context_tokens: int | None = None
     append_only: bool = False
     released_at: float | None = None  # monotonic, for the think time between release and next acquire

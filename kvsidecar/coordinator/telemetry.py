@@ -43,8 +43,8 @@ class Telemetry:
             "restore_hits": _total(m.restore_hit),
             "restore_failures": _total(m.restore_failure),
             "restore_ineffective": _total(m.restore_verified, result="ineffective"),
-            "cold_starts": _total(m.acquire, outcome=Outcome.COLD.value),
-            "cold_fallbacks": _total(m.acquire, outcome=Outcome.COLD_FALLBACK.value),
+            "cold_starts": _total(m.cold, outcome=Outcome.COLD.value),
+            "cold_fallbacks": _total(m.cold, outcome=Outcome.COLD_FALLBACK.value),
             "saves": _total(m.save),
             "save_failures": _total(m.save_failure),
             "switches": _total(m.switch),
@@ -213,8 +213,9 @@ class Telemetry:
                 hint="the engine recomputed the prompt after a restore: SWA/hybrid model without --swa-full?",
             )
 
-    def cold(self, server: str, reason: str | None) -> None:
-        self.metrics.cold.labels(server, reason or "no snapshot").inc()
+    def cold(self, server: str, outcome: Outcome, reason: str | None) -> None:
+        """A session's slot erased for a cold prefill (auxiliary requests are not counted here)."""
+        self.metrics.cold.labels(server, outcome.value, reason or "no snapshot").inc()
 
     def erase_failed(self, slot: int, exc: KvError) -> None:
         event(log, logging.WARNING, "kv.slot.erase.failed", slot=slot, code=exc.code)

@@ -34,7 +34,7 @@ from kvsidecar.store.table import (
     ManifestTable,
 )
 
-FileId = tuple[int, int, int, int]  # (dev, inode, size, mtime_ns)
+FileId = tuple[int, int, int, int, int]  # (dev, inode, size, mtime_ns, ctime_ns: utime cannot put it back)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +56,7 @@ class Rejection:
 
 
 def file_id(st: os.stat_result) -> FileId:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class VerifiedFiles:
@@ -207,8 +207,11 @@ def verify_generation(
                 checksum=rec.checksum,
                 deep=hashed,
             )
+            if file_id(os.fstat(fd)) != file_id(st):  # written while we checked it: not what we verified
+                detail = "changed while being checked"
+                return Rejection(generation=gen, reason=CORRUPT, detail=detail, persistent=False), None
             if hashed and verified is not None and rec.checksum is not None:
-                verified.remember(manifest.server, rec.filename, os.fstat(fd), rec.checksum)
+                verified.remember(manifest.server, rec.filename, st, rec.checksum)
             return None, file_id(st)
     except KeyError:
         detail = f"server {manifest.server!r} is not configured"

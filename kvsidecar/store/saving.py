@@ -19,7 +19,7 @@ from pathlib import Path
 from kvsidecar.backend.base import SaveResult
 from kvsidecar.errors import KvError, SaveFailed, SnapshotCorrupt, SnapshotError
 from kvsidecar.logs import event
-from kvsidecar.store.candidates import VerifiedFiles, verify_generation
+from kvsidecar.store.candidates import VerifiedFiles, file_id, verify_generation
 from kvsidecar.store.confined import UNSAFE, UnsafeFile, describe, problem
 from kvsidecar.store.fingerprint import RuntimeFingerprint
 from kvsidecar.store.fingerprint_records import FingerprintRecords
@@ -197,9 +197,10 @@ class SavePlanner:
                 with contextlib.suppress(OSError):
                     os.fchmod(fd, 0o600)
             # n_written undercounts on some builds: the file itself is the truth for bytes.
+            before = os.fstat(fd)  # after the chmod (which moves ctime), before the hash
             digest = checksum_from_fd(fd) if checksum else None
             after = os.fstat(fd)
-            if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+            if file_id(after) != file_id(before):
                 raise SnapshotCorrupt(f"{plan.filename}: changed while being checked")
             if digest is not None and self.verified is not None:  # the next restore need not hash it
                 self.verified.remember(plan.identity.server, plan.filename, after, digest)

@@ -145,3 +145,45 @@ async def test_no_skip_when_the_history_was_rewritten(h: Harness) -> None:
     h.calls()
     await h.turn("B")
     assert h.calls()[0] == "save"  # its snapshot is not a prefix any more: saved as before
+
+
+async def test_turn_end_hint_does_not_wait_for_the_background_save(h: Harness) -> None:
+    """Review: the hint used to return only after the whole clean-ahead save."""
+    for s in ("A", "B", "A"):
+        await h.turn(s)
+    hold = h.fake.hold("save")
+    out = await h.coordinator.session_event("A", "turn_end")  # returns while the save is held
+    assert out["saved"] == 0
+    await hold.entered.wait()
+    hold.release()
+    while rt_of(h, "A").dirty:
+        await asyncio.sleep(0)
+    assert "save" in h.calls()
+
+
+async def test_clean_ahead_refused_when_the_save_could_outlast_an_acquire_wait(h: Harness) -> None:
+    """Review: a session's own request must never time out waiting for its own background save."""
+    for s in ("A", "B", "A"):
+        await h.turn(s)
+    h.coordinator.checkpoints.acquire_timeout_s = 0.0001  # shorter than any save
+    h.calls()
+    assert not await h.coordinator.checkpoints.clean_ahead(rt_of(h, "A"))
+    assert h.calls() == []
+
+
+async def test_sighup_to_save_before_evict_stops_clean_ahead(h: Harness) -> None:
+    for s in ("A", "B", "A"):
+        await h.turn(s)
+    assert rt_of(h, "A").clean_timer is not None
+    config = h.coordinator.config
+    checkpoint = config.checkpoint.model_copy(update={"policy": "save-before-evict"})
+    h.coordinator.reconfigure(config.model_copy(update={"checkpoint": checkpoint}))
+    assert rt_of(h, "A").clean_timer is None
+    assert not await h.coordinator.checkpoints.clean_ahead(rt_of(h, "A"))
+
+
+async def test_auxiliary_acquires_are_not_cold_starts(h: Harness) -> None:
+    await h.turn("A")
+    before = h.coordinator.status()["stats"]["cold_starts"]
+    await h.turn("x", purpose="title")
+    assert h.coordinator.status()["stats"]["cold_starts"] == before == 1

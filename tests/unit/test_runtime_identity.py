@@ -246,3 +246,18 @@ async def test_file_swapped_while_the_server_read_it_is_voided(h: Harness) -> No
     r, _, _, cache_n = await h.turn("A")
     store.confirm_unchanged = real  # type: ignore[method-assign]
     assert r.outcome is Outcome.COLD_FALLBACK and r.reason == "SNAPSHOT_FILE_UNSAFE" and cache_n == 0
+
+
+async def test_a_failing_post_restore_check_falls_back_cold_not_stuck_restoring(h: Harness) -> None:
+    """Review: an OSError while confirming the file after the restore left the session RESTORING."""
+    await h.turn("A")
+    await h.turn("B")
+
+    def unreadable(candidate: object) -> bool:
+        raise OSError(5, "EIO")
+
+    store = h.coordinator.store
+    store.confirm_unchanged = unreadable  # type: ignore[method-assign,assignment]
+    r, _, _, cache_n = await h.turn("A")
+    assert r.outcome is Outcome.COLD_FALLBACK and cache_n == 0
+    assert h.coordinator.sessions.by_key[key(h, "A")].state.value == "active_dirty"  # ran cold, not stuck

@@ -54,3 +54,35 @@ async def test_a_file_rewritten_with_its_mtime_put_back_is_hashed_and_caught(h: 
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # mtime put back; ctime cannot be
     r, _, _, cache_n = await h.turn("A")
     assert r.outcome is Outcome.COLD_FALLBACK and r.reason == "SNAPSHOT_CORRUPT" and cache_n == 0
+
+
+async def test_a_file_written_while_it_was_hashed_is_never_remembered_as_verified(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: the stat taken after the hash was remembered, so a file changed during the hash (mtime put
+    back) skipped every later hash. Now such a file is rejected and nothing is remembered."""
+    await h.turn("A")
+    await h.turn("B")
+    store = h.coordinator.store
+    m = next(x for x in store.all() if x.session_id == "A")
+    assert m.current is not None
+    path = h.fake.snapshot_dir / m.generations[m.current].filename
+    store.verified._known.clear()  # force a hash at the next restore
+    real = integrity.checksum_from_fd
+
+    def tamper_while_hashing(fd: int) -> str:
+        digest = real(fd)
+        st = path.stat()
+        with path.open("r+b") as f:
+            f.seek(st.st_size - 1)
+            last = f.read(1)
+            f.seek(st.st_size - 1)
+            f.write(bytes([last[0] ^ 0xFF]))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        return digest
+
+    monkeypatch.setattr(integrity, "checksum_from_fd", tamper_while_hashing)
+    r, *_ = await h.turn("A")
+    monkeypatch.setattr(integrity, "checksum_from_fd", real)
+    assert r.outcome is not Outcome.RESTORED
+    assert all(name != path.name for _server, name in store.verified._known)
