@@ -453,6 +453,11 @@ async def seed_sessions(
             turn = Turn(session=s.name, turn=-1, reusable=0, new=0, t_ready=time.time())
             _, slot = await driver.acquire(turn)
             try:
+                if kv is None and turn.switched:
+                    # llama-server's RAM cache keeps a slot's prompt when a task with another prompt starts
+                    # on it, not when a restore overwrites it: one token of this session first
+                    scratch = Turn(session=s.name, turn=-1, reusable=0, new=0, t_ready=time.time())
+                    await stream_completion(http, base_url, slot, s.history[:1], 1, scratch)
                 await asyncio.to_thread(slot_action, base_url, slot, "restore", s.seed_file)
                 await stream_completion(http, base_url, slot, s.history, 1, turn)
             finally:
@@ -584,7 +589,7 @@ def run_one(
             turns = p.cold_turns if policy == "cold" else p.turns
             raw = asyncio.run(run_baseline(server, sessions, p, think, seed=policy != "cold", turns=turns))
     except Exception as exc:  # one broken run must not cost the others: reported with its logs
-        tail = server.log_tail(40)
+        tail = server.log_tail(80)
         print(f"  FAILED: {exc!r}\n{tail}", file=sys.stderr)
         return {**base, "available": False, "reason": f"failed: {exc!r}", "llama_log_tail": tail}
     finally:

@@ -257,7 +257,7 @@ async def test_a_failing_post_restore_check_falls_back_cold_not_stuck_restoring(
         raise OSError(5, "EIO")
 
     store = h.coordinator.store
-    store.confirm_unchanged = unreadable  # type: ignore[method-assign,assignment]
+    store.confirm_unchanged = unreadable  # type: ignore[method-assign]
     r, _, _, cache_n = await h.turn("A")
     assert r.outcome is Outcome.COLD_FALLBACK and cache_n == 0
     assert h.coordinator.sessions.by_key[key(h, "A")].state.value == "active_dirty"  # ran cold, not stuck
