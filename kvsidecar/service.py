@@ -172,6 +172,7 @@ class Daemon:
         refused = self.coordinator.reconfigure(live)
         self._apply_live(running, live)
         self.pending_restart = sorted(set(pending) | set(refused))
+        self.coordinator.pending_restart = list(self.pending_restart)  # shown in /v1/status
         event(
             log,
             logging.WARNING if self.pending_restart else logging.INFO,

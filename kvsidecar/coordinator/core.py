@@ -118,6 +118,7 @@ class Coordinator:
             monotonic=monotonic,
             acquire_timeout_s=acquire_timeout_s,
         )
+        self.pending_restart: list[str] = []  # restart-only keys a SIGHUP found changed (status shows them)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
         self._started = False
@@ -431,4 +432,5 @@ class Coordinator:
             open_leases=len(self.leases),
             stats=self.telemetry.stats(),
             costs=self.costs.view(),
+            pending_restart=self.pending_restart,
         )

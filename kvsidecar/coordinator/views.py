@@ -81,6 +81,7 @@ def status(
     open_leases: int,
     stats: dict[str, int],
     costs: dict[str, dict[str, Any]],
+    pending_restart: list[str],
 ) -> dict[str, Any]:
     manifests = store.all()
     valid = sum(1 for m in manifests if m.has_valid)
@@ -98,6 +99,7 @@ def status(
         "leases": open_leases,
         "stats": stats,
         "cost_model": costs,
+        "config": {"pending_restart": pending_restart},
     }
 
 

@@ -111,6 +111,7 @@ async def test_live_keys_apply_even_when_a_restart_only_key_changed_too(
     assert daemon.reload() == ["api.listen"]
     assert_live_applied(daemon)
     assert daemon.pending_restart == ["api.listen"]
+    assert daemon.coordinator.status()["config"]["pending_restart"] == ["api.listen"]  # visible in status
     assert daemon.config.api.listen == daemon.coordinator.config.api.listen == "127.0.0.1:8377"
     line = json.loads(kv_logging.getvalue().splitlines()[-1])  # already in the new format
     assert line["event"] == "kv.config.reloaded" and line["level"] == "warning"
