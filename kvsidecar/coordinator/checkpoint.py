@@ -13,7 +13,8 @@ With `checkpoint.policy: cost-aware` (the default; issue 15) two decisions take 
 using the cost model learned online (costs.py); each falls back to save-before-evict whenever a figure it
 needs is unknown, so its worst case is today's behaviour:
 - *clean ahead*: after a release, once the session has been idle for as long as its save is predicted to
-  take (ski rental: a request of its own that lands during the save waits at most that long again), and
+  take (ski rental: a request of its own that lands during the save waits at most that long again; at
+  once when its recent think times are more than twice its save), and
   while its server is idle (no slot working, nobody waiting) and its slot is the one the next new session
   would take, the slot is saved in the background; the switch then finds it clean. A `turn_end` hint
   starts the check at once.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from kvsidecar.config import Config
@@ -42,6 +43,15 @@ from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import KvError
 
 _MIN_CLEAN_AHEAD_S = 0.2
+_PROMPT_CLEAN_AHEAD_S = 0.01  # right after the release has been answered
+_THINK_SAMPLES_NEEDED = 2
+
+
+def _median(values: Iterable[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 _PROBE_KEY = "\0next-session"  # matches no session: pool.select() with it picks the next victim
 
 
@@ -186,9 +196,15 @@ class CheckpointPolicy:
         save_s = self.costs.server(rt.identity.server).save_s(rt.context_tokens)
         if save_s is None:
             return  # nothing learned yet: save-before-evict until the first save has been measured
+        # Ski rental: wait as long as the save takes, so a request of its own that lands during the save
+        # waits at most that long again. When this session's think times are known to be much longer
+        # than its save, its own request is unlikely to land during it: start as soon as it is released.
+        delay_s = max(_MIN_CLEAN_AHEAD_S, save_s)
+        if len(rt.think_s) >= _THINK_SAMPLES_NEEDED and _median(rt.think_s) > 2 * save_s:
+            delay_s = _PROMPT_CLEAN_AHEAD_S
         key, revision = rt.key, rt.dirty_revision
         rt.clean_timer = asyncio.get_running_loop().call_later(
-            max(_MIN_CLEAN_AHEAD_S, save_s), lambda: self.spawn(self._clean_ahead_timer(key, revision))
+            delay_s, lambda: self.spawn(self._clean_ahead_timer(key, revision))
         )
 
     async def _clean_ahead_timer(self, key: str, revision: int) -> None:

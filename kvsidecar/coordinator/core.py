@@ -236,7 +236,9 @@ class Coordinator:
                 if seq is not None:
                     rt.seq = seq
                 if rt.released_at is not None:  # think time: from its last release to this acquire
-                    self.telemetry.think(srv.name, self.monotonic() - rt.released_at)
+                    think_s = self.monotonic() - rt.released_at
+                    rt.think_s.append(think_s)
+                    self.telemetry.think(srv.name, think_s)
                     rt.released_at = None
                 with self.sessions.busy_with(rt.key):
                     result = await self._prepare(srv, slot, rt)

@@ -9,6 +9,7 @@ All of it is owned by the event loop thread; nothing here is touched from anothe
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -57,6 +58,7 @@ class SessionRuntime:
     context_tokens: int | None = None
     append_only: bool = False
     released_at: float | None = None  # monotonic, for the think time between release and next acquire
+    think_s: deque[float] = field(default_factory=lambda: deque(maxlen=16))  # its recent think times
     clean_timer: asyncio.TimerHandle | None = None  # a pending clean-ahead check
 
     @property

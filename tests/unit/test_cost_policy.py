@@ -187,3 +187,14 @@ async def test_auxiliary_acquires_are_not_cold_starts(h: Harness) -> None:
     before = h.coordinator.status()["stats"]["cold_starts"]
     await h.turn("x", purpose="title")
     assert h.coordinator.status()["stats"]["cold_starts"] == before == 1
+
+
+async def test_long_think_times_start_the_clean_ahead_right_after_the_release(h: Harness) -> None:
+    for s in ("A", "B", "A"):
+        await h.turn(s)
+    rt = rt_of(h, "A")
+    loop = asyncio.get_running_loop()
+    assert rt.clean_timer is not None and rt.clean_timer.when() - loop.time() > 0.1  # ski rental: wait
+    rt.think_s.extend([30.0, 45.0])  # this session thinks far longer than a save takes
+    h.coordinator.checkpoints.touched(rt)
+    assert rt.clean_timer is not None and rt.clean_timer.when() - loop.time() < 0.05
