@@ -23,18 +23,28 @@ history (one cold prefill per session, kept under the cache root for later runs;
 before the measured calls, and the kvsidecar runs then save it once: every policy starts with all sessions
 saved, and none of that is counted).
 
-Per switch (a call whose session was not in its slot): wait for the slot, the evicted session's save on
-the critical path, the restore, the prefill of the new tokens (llama-server's prompt_ms), time to first
-token (streamed, from the moment the call is ready to the first token). Saves and their triggers come from
-the daemon's `kv.session.save.*` log events, restores from the acquire answers, bytes from `/metrics`. The
-physical limit of a switch: the restored bytes over the page-cache read bandwidth measured in the same run,
-plus the prefill of its new tokens (prefill cost per token fitted on this run's warm calls, a + b x context).
+Per switch (a call whose session was not in its slot): the wait for the slot (other sessions' calls), the
+saves on its critical path (the eviction save its own acquire did, and any background save it waited for),
+the restore, kvsidecar's own work in the acquire (verification, manifests, HTTP), the prefill of the new
+tokens (llama-server's prompt_ms), "switch" (TTFT minus the wait) and the time to first token (streamed,
+from the moment the call is ready). Saves and their triggers come from the daemon's `kv.session.save.*`
+and `kv.session.switch` log events, restores from the acquire answers, bytes from `/metrics`. The physical
+limit of a switch: the restored bytes over the page-cache read bandwidth measured in the same run, plus the
+prefill of its new tokens (cost per token fitted on this run's warm single-slot calls, a + b x context).
+Per run: bytes written and read per call, against one full snapshot per response (hearth-llm's way, item 4),
+the time the server was stalled by saves, other sessions' calls in flight during a save, and calls that
+waited for a background save of their own session.
 
-Sizes: cold prefill of this model is ~270 tokens/s at 2K tokens and ~110 tokens/s at 5K on 2 cores, so
-histories start at 2-3.5K tokens (0.27-0.47 GB snapshots) and grow by ~300 tokens per call to at most
-~5.5K (0.7 GB), with 6 calls per session: the whole benchmark takes 15-25 minutes on 2 cores. `--quick`
-(2-2.5K tokens, 2 calls per session, single-slot workloads only, cold with one call per session) takes
-3-5 minutes; results in bench/results/agent-quick.json. Medians and ratios only; nothing here is asserted.
+Sizes: cold prefill of this model is ~270 tokens/s at 2K tokens and ~110 tokens/s at 5K on 2 cores, and a
+call that appends 150-300 tokens (plus the previous 8-token reply) to a 2-5K history costs 2-3 s. So the
+histories start at 2-3.5K tokens (0.27-0.47 GB snapshots) and grow to at most ~5.4K (0.7 GB) over 6 calls
+per session, and the think time has a mean of 10 s, which leaves the server idle about 40% of the time with 3
+sessions on one slot (a shorter think time saturates it: then every call queues, as in zero-1slot). The cold
+baseline, which recomputes 2-5K tokens per switch, runs 2 calls per session. The whole benchmark takes 15-25
+minutes on 2 cores (prebuilt histories are kept under the cache root; the first run adds ~2 minutes).
+`--quick` (2-2.5K tokens, 2 calls per session, think mean 6 s, single-slot workloads, cold with one call per
+session) takes 2-4 minutes; its results go to bench/results/agent-quick.json. Medians and ratios from one
+run; nothing here is asserted.
 """
 
 from __future__ import annotations
@@ -111,9 +121,9 @@ FULL = Params(
     sessions_1slot=3,
     turns=6,
     cold_turns=2,
-    new_tokens=(200, 400),
-    reply_tokens=16,
-    think_mean_s=5.0,
+    new_tokens=(150, 300),
+    reply_tokens=8,
+    think_mean_s=10.0,
     think_sigma=0.75,
     seed=15,
     workloads=tuple(WORKLOADS),
@@ -126,9 +136,9 @@ QUICK = Params(
     sessions_1slot=3,
     turns=2,
     cold_turns=1,
-    new_tokens=(150, 300),
+    new_tokens=(150, 250),
     reply_tokens=8,
-    think_mean_s=4.0,
+    think_mean_s=6.0,
     think_sigma=0.75,
     seed=15,
     workloads=("think-1slot", "zero-1slot"),
@@ -255,14 +265,15 @@ def slot_action(base_url: str, slot: int, action: str, filename: str) -> dict[st
 
 
 def prebuild(
-    binary: Path, model: Path, p: Params, sessions: list[SessionPlan]
+    binary: Path, model: Path, sessions: list[SessionPlan], parallel: int
 ) -> tuple[Path, dict[str, Any]]:
     """One cold prefill per session, saved by llama-server itself: every run starts from these files. They
-    depend only on the model and the seeded tokens, so they are kept under the cache root for the next run."""
-    key = xxhash.xxh3_64_hexdigest(repr([model.name, [s.history for s in sessions]]).encode())
+    depend only on the model, the seeded tokens and --parallel (a file saved with --parallel 1 is refused
+    by a --parallel 2 server: "n_stream mismatch"), so they are kept under the cache root for later runs."""
+    key = xxhash.xxh3_64_hexdigest(repr([model.name, parallel, [s.history for s in sessions]]).encode())
     seeds = cache_root() / "bench-agent" / key
     if not (seeds / "prebuild.json").exists():
-        _build_seeds(binary, model, seeds, sessions)
+        _build_seeds(binary, model, seeds, sessions, parallel)
     out: dict[str, Any] = json.loads((seeds / "prebuild.json").read_text())
     files = {s.name: seeds / f"seed-{s.name}.bin" for s in sessions}
     sizes = {k: f.stat().st_size for k, f in files.items()}
@@ -277,11 +288,11 @@ def prebuild(
     return seeds, out
 
 
-def _build_seeds(binary: Path, model: Path, seeds: Path, sessions: list[SessionPlan]) -> None:
+def _build_seeds(binary: Path, model: Path, seeds: Path, sessions: list[SessionPlan], parallel: int) -> None:
     ctx = int(math.ceil((max(len(s.history) for s in sessions) + 256) / 256) * 256)
     tmp = seeds.with_name(seeds.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    server = llama(binary, model, tmp, parallel=1, ctx=ctx, extra=("--cache-ram", "0"))
+    server = llama(binary, model, tmp, parallel=parallel, ctx=ctx, extra=("--cache-ram", "0"))
     server.start()
     cold = []
     try:
@@ -324,6 +335,12 @@ def read_gbps(path: Path) -> float:
     finally:
         os.close(fd)
     return total / (time.perf_counter() - t0) / 1e9
+
+
+def llama_client() -> httpx.AsyncClient:
+    """A fresh connection per call: llama-server closes keep-alive connections idle for 5 s, and a call
+    after a think time of about that long would race the close ("Server disconnected")."""
+    return httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_keepalive_connections=0))
 
 
 # drivers: kvsidecar, or this script's own slot pool ---------------------------------------------------
@@ -440,7 +457,7 @@ async def run_session(
         turn = await one_turn(driver, http, plan, i, history, p.reply_tokens)
         out.append(turn)
         history = history + plan.new[i] + turn.reply
-        if think:
+        if think and i + 1 < turns:  # the run ends with the last call: nothing after it is counted
             await asyncio.sleep(plan.think_s[i])
 
 
@@ -448,7 +465,7 @@ async def seed_sessions(
     driver: Driver, base_url: str, sessions: list[SessionPlan], kv: BenchClient | None
 ) -> None:
     """Bring every session's prebuilt history into a slot (restored by llama-server, not measured)."""
-    async with httpx.AsyncClient(timeout=900) as http:
+    async with llama_client() as http:
         for s in sessions:
             turn = Turn(session=s.name, turn=-1, reusable=0, new=0, t_ready=time.time())
             _, slot = await driver.acquire(turn)
@@ -470,8 +487,7 @@ async def drive(
     driver: Driver, sessions: list[SessionPlan], p: Params, think: bool, turns: int
 ) -> list[Turn]:
     out: list[Turn] = []
-    limits = httpx.Limits(max_connections=len(sessions) + 2)
-    async with httpx.AsyncClient(timeout=900, limits=limits) as http:
+    async with llama_client() as http:
         await asyncio.gather(*(run_session(driver, http, s, p, think, turns, out) for s in sessions))
     return out
 
@@ -506,7 +522,9 @@ async def run_kvsidecar(
         logging={"level": "info", "format": "json"},
     ).start(timeout_s=120)
     try:
-        kv = BenchClient(daemon.url, token=TOKEN, timeout_s=900)
+        # the daemon closes a connection idle for api.header_timeout_s (10 s): never reuse one that old
+        transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(keepalive_expiry=4.0))
+        kv = BenchClient(daemon.url, token=TOKEN, timeout_s=900, transport=transport)
         try:
             driver = KvDriver(kv, p.hint)
             await seed_sessions(driver, server.base_url, sessions, kv)
@@ -524,7 +542,8 @@ async def run_kvsidecar(
         "t0": t0,
         "t1": t1,
         "metrics": metrics_delta(before, after),
-        "saves": save_intervals(daemon.log_path.read_text(errors="replace"), t0, t1),
+        "saves": save_intervals(events := log_events(daemon.log_path.read_text(errors="replace")), t0, t1),
+        "switch_events": switch_events(events, t0, t1),
         "status_stats": status.get("stats"),
         "status": {k: v for k, v in status.items() if k not in ("sessions", "servers")},
     }
@@ -539,7 +558,7 @@ async def run_baseline(
     unlink_seeds(server, sessions)
     t0 = time.time()
     out = await drive(pool, sessions, p, think, turns)
-    return {"turns": out, "t0": t0, "t1": time.time(), "metrics": {}, "saves": []}
+    return {"turns": out, "t0": t0, "t1": time.time(), "metrics": {}, "saves": [], "switch_events": []}
 
 
 def unlink_seeds(server: LlamaServer, sessions: list[SessionPlan]) -> None:
@@ -553,14 +572,21 @@ def link_seeds(server: LlamaServer, seeds: Path, sessions: list[SessionPlan]) ->
     assert snaps is not None
     snaps.mkdir(parents=True, exist_ok=True)
     for s in sessions:
-        os.link(seeds / s.seed_file, snaps / s.seed_file)  # same file system: no copy
+        try:
+            os.link(seeds / s.seed_file, snaps / s.seed_file)  # same file system: no copy
+        except OSError:
+            shutil.copyfile(seeds / s.seed_file, snaps / s.seed_file)
+
+
+def session_count(p: Params, parallel: int) -> int:
+    return len(p.histories) if parallel > 1 else p.sessions_1slot
 
 
 def run_one(
     binary: Path, model: Path, work: Path, seeds: Path, p: Params, workload: str, policy: str
 ) -> dict[str, Any]:
     parallel, think = WORKLOADS[workload]
-    n_sessions = len(p.histories) if parallel > 1 else p.sessions_1slot
+    n_sessions = session_count(p, parallel)
     sessions = [s for s in plans(p)[:n_sessions]]
     for s in sessions:
         s.seed_file = f"seed-{s.name}.bin"
@@ -611,28 +637,43 @@ def _ts(value: str) -> float:
     return calendar.timegm(time.strptime(head, "%Y-%m-%dT%H:%M:%S")) + float(f"0.{frac or 0}")
 
 
-def save_intervals(log_text: str, t0: float, t1: float) -> list[dict[str, Any]]:
-    """Every save the daemon did in [t0, t1]: session (short id), trigger, start, end, bytes, outcome."""
-    open_: dict[str, dict[str, Any]] = {}
-    out: list[dict[str, Any]] = []
+def log_events(log_text: str) -> list[dict[str, Any]]:
+    """The daemon's JSON log lines that carry an event, with `at` (epoch seconds) from their timestamp."""
+    out = []
     for line in log_text.splitlines():
         try:
             e = json.loads(line)
         except ValueError:
             continue
-        name = e.get("event", "") if isinstance(e, dict) else ""
-        if not name.startswith("kv.session.save."):
-            continue
-        session, at = str(e.get("session")), _ts(str(e.get("ts")))
+        if isinstance(e, dict) and isinstance(e.get("event"), str) and isinstance(e.get("ts"), str):
+            out.append(e | {"at": _ts(e["ts"])})
+    return out
+
+
+def save_intervals(events: list[dict[str, Any]], t0: float, t1: float) -> list[dict[str, Any]]:
+    """Every save the daemon did in [t0, t1]: session (short id), trigger, start, end, bytes, outcome."""
+    open_: dict[str, dict[str, Any]] = {}
+    out: list[dict[str, Any]] = []
+    for e in events:
+        name, session = e["event"], str(e.get("session"))
         if name == "kv.session.save.start":
-            open_[session] = {"session": session, "trigger": e.get("trigger"), "start": at}
-        elif session in open_:
-            rec = open_.pop(session) | {"end": at, "outcome": name.rsplit(".", 1)[1]}
+            open_[session] = {"session": session, "trigger": e.get("trigger"), "start": e["at"]}
+        elif name.startswith("kv.session.save.") and session in open_:
+            rec = open_.pop(session) | {"end": e["at"], "outcome": name.rsplit(".", 1)[1]}
             rec["bytes"], rec["save_ms"] = e.get("bytes"), e.get("save_ms")
             rec["server_ms"] = e.get("server_ms")  # llama-server's own save_ms, if the daemon logs it
             if rec["end"] >= t0 and rec["start"] <= t1:
                 out.append(rec)
     return out
+
+
+def switch_events(events: list[dict[str, Any]], t0: float, t1: float) -> list[dict[str, Any]]:
+    """`kv.session.switch` (logged after the eviction, before the restore): to, evicted, at."""
+    return [
+        {"to": e.get("to"), "evicted": e.get("evicted"), "at": e["at"]}
+        for e in events
+        if e["event"] == "kv.session.switch" and t0 - 1 <= e["at"] <= t1
+    ]
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -671,24 +712,42 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def attribute(turn: Turn, saves: list[dict[str, Any]], shorts: dict[str, str]) -> dict[str, float]:
-    """The saves on this call's critical path: the switch save its own acquire did (its `actions`), and
-    any other save (idle, hint, background) that ran while it waited; and whether it waited for its own."""
-    mine = shorts[turn.session]
+def attribute(
+    turn: Turn, saves: list[dict[str, Any]], switches: list[dict[str, Any]], mine: str
+) -> dict[str, float]:
+    """Split a call's acquire: waiting for the slot (other sessions' calls), saves on its critical path
+    (the eviction save its own acquire did, listed in its `actions`, and any other save that ran while it
+    waited), the restore, and kvsidecar's own work (verification, manifests, HTTP); and whether it waited
+    for a background save of its own session."""
     listed = {a.split(" ", 1)[1] for a in turn.actions if a.startswith("save ")}
-    on_path = own = 0.0
-    for s in saves:
-        o = overlap(turn.t_ready, turn.t_acquired, s["start"], s["end"])
-        if o <= 0:
-            continue
-        if s["trigger"] == "switch":
-            if s["session"] in listed:  # this acquire's own eviction save
-                on_path += o
-        else:
-            on_path += o
-            if s["session"] == mine:
-                own += o
-    return {"save_ms": on_path * 1000, "own_save_ms": own * 1000}
+    evict = [s for s in saves if s["trigger"] == "switch" and s["session"] in listed]
+    evict = [s for s in evict if overlap(turn.t_ready, turn.t_acquired, s["start"], s["end"]) > 0]
+    others = [s for s in saves if s["trigger"] != "switch"]
+    # when the slot was handed to this call: its eviction save began, or else its switch was logged
+    switch = [
+        e["at"] for e in switches if e["to"] == mine and turn.t_ready - 0.002 <= e["at"] <= turn.t_acquired
+    ]
+    granted = min([s["start"] for s in evict] + switch[-1:]) if (evict or switch) else None
+    restore = (turn.restore_ms or 0.0) / 1000
+    evict_s = sum(overlap(turn.t_ready, turn.t_acquired, s["start"], s["end"]) for s in evict)
+    bg = [(s, overlap(turn.t_ready, turn.t_acquired, s["start"], s["end"])) for s in others]
+    bg_s = sum(o for _, o in bg)
+    own_s = sum(o for s, o in bg if s["session"] == mine)
+    acquire = turn.t_acquired - turn.t_ready
+    if granted is None:  # resident, or a baseline: all but the restore is waiting
+        wait = max(0.0, acquire - evict_s - bg_s - restore)
+    else:
+        wait = max(
+            0.0,
+            granted - turn.t_ready - sum(overlap(turn.t_ready, granted, s["start"], s["end"]) for s, _ in bg),
+        )
+    own_work = max(0.0, acquire - wait - evict_s - bg_s - restore)
+    return {
+        "wait_ms": wait * 1000,
+        "save_ms": (evict_s + bg_s) * 1000,
+        "kvsidecar_ms": own_work * 1000,
+        "own_save_ms": own_s * 1000,
+    }
 
 
 def fit_prefill(turns: list[Turn]) -> tuple[float, float]:
@@ -716,19 +775,17 @@ def p50(values: list[float]) -> float | None:
 
 def analyse(run: dict[str, Any], bpt: float, gbps: float, fit: tuple[float, float]) -> dict[str, Any]:
     turns: list[Turn] = run["turns"]
-    shorts = {t.session: short_id(t.session) for t in turns}
-    saves = run["saves"]
+    saves, switches = run["saves"], run["switch_events"]
     rows = []
     for t in sorted(turns, key=lambda t: t.t_ready):
-        parts = attribute(t, saves, shorts)
-        restore = t.restore_ms or 0.0
+        parts = attribute(t, saves, switches, short_id(t.session))
         rows.append(
             {
                 **{k: v for k, v in asdict(t).items() if k != "reply"},
                 "reply_n": len(t.reply),
                 "ttft_ms": t.ttft_ms,
                 "acquire_ms": t.acquire_ms,
-                "wait_ms": max(0.0, t.acquire_ms - parts["save_ms"] - restore),
+                "switch_ms": t.ttft_ms - parts["wait_ms"],  # TTFT without queueing behind other calls
                 **parts,
                 "limit_ms": limit_ms(t, bpt, gbps, fit),
                 "hearth_bytes": (t.reusable + t.new + len(t.reply)) * bpt,
@@ -752,10 +809,17 @@ def summarise(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]
     for s in saves:
         if s["outcome"] == "success":
             triggers[s["trigger"]] = triggers.get(s["trigger"], 0) + 1
-    col = {
-        k: [r[k] for r in sw if r[k] is not None]
-        for k in ("wait_ms", "save_ms", "restore_ms", "prompt_ms", "ttft_ms", "limit_ms")
-    }
+    keys = (
+        "wait_ms",
+        "save_ms",
+        "restore_ms",
+        "kvsidecar_ms",
+        "prompt_ms",
+        "switch_ms",
+        "ttft_ms",
+        "limit_ms",
+    )
+    col = {k: [r[k] for r in sw if r[k] is not None] for k in keys}
     return {
         "calls": len(rows),
         "switches": len(sw),
@@ -763,9 +827,9 @@ def summarise(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]
         "p50": {k: p50(v) for k, v in col.items()},
         "ttft_ms": summary(col["ttft_ms"]) if col["ttft_ms"] else None,
         "all_calls_ttft_p50_ms": p50([r["ttft_ms"] for r in rows]),
-        "ttft_over_limit_p50": p50([r["ttft_ms"] / r["limit_ms"] for r in sw if r["limit_ms"] > 0]),
-        "ttft_over_restore_plus_prefill_p50": p50(
-            [r["ttft_ms"] / ((r["restore_ms"] or 0) + r["prompt_ms"]) for r in sw if r["prompt_ms"] > 0]
+        "switch_over_limit_p50": p50([r["switch_ms"] / r["limit_ms"] for r in sw if r["limit_ms"] > 0]),
+        "switch_over_restore_plus_prefill_p50": p50(
+            [r["switch_ms"] / ((r["restore_ms"] or 0) + r["prompt_ms"]) for r in sw if r["prompt_ms"] > 0]
         ),
         "bytes_written_per_call": metric_sum(m, "kv_save_bytes_total") / n,
         "bytes_read_per_call": metric_sum(m, "kv_restore_bytes_total") / n,
@@ -773,6 +837,16 @@ def summarise(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]
         "full_snapshots_per_call": sum(triggers.values()) / n,
         "saves_by_trigger": triggers,
         "saves_skipped": {k: v for k, v in m.items() if k.startswith("kv_save_skipped")},
+        # llama-server's own timings where the daemon passes them on (restore: the acquire answer; save:
+        # the log event's server_ms, if this build logs it), and kvsidecar's wall time of each save
+        "llama_restore_ms_p50": p50(
+            [r["restore_server_ms"] for r in sw if r["restore_server_ms"] is not None]
+        ),
+        "llama_save_ms_p50": p50([s["server_ms"] for s in saves if s.get("server_ms") is not None]),
+        "save_ms_p50": p50([s["save_ms"] for s in saves if s.get("save_ms") is not None]),
+        "save_mb_per_s_p50": p50(
+            [s["bytes"] / s["save_ms"] / 1000 for s in saves if s.get("bytes") and s.get("save_ms")]
+        ),
         "save_stall_s": union_length(save_spans),
         "other_calls_stalled_by_saves_s": stalled_other,
         "own_save_waits": sum(1 for r in rows if r["own_save_ms"] > 0),
@@ -789,24 +863,36 @@ def plot(runs: list[dict[str, Any]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in runs if r.get("available") and r["summary"]["switches"]]
-    workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in ok)]
-    policies = [p for p in POLICIES if any(r["policy"] == p for r in ok)]
+    if not ok:
+        return
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    first = [r for r in ok if r["workload"] == workloads[0]]
+    _plot_parts(axes[0], [r for r in ok if r["workload"] == ok[0]["workload"]])
+    _plot_bars(axes[1], ok, "switch")
+    _plot_bars(axes[2], ok, "bytes")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def _plot_parts(ax: Any, runs: list[dict[str, Any]]) -> None:
+    """One workload: where a switch's time goes (medians), against the physical limit; cold is off scale."""
     parts = (
-        ("wait_ms", "wait for the slot"),
         ("save_ms", "save on the path"),
         ("restore_ms", "restore"),
-        ("prompt_ms", "prefill"),
+        ("kvsidecar_ms", "kvsidecar's own work"),
+        ("prompt_ms", "prefill of the new tokens"),
     )
-    ax = axes[0]
-    for i, r in enumerate(first):
+    shown = [r for r in runs if r["policy"] != "cold"]
+    for i, r in enumerate(shown):
         med, bottom = r["summary"]["p50"], 0.0
         for j, (key, label) in enumerate(parts):
-            v = med[key] or 0.0
+            v = med.get(key) or 0.0
             ax.bar(i, v, bottom=bottom, color=f"C{j}", label=label if i == 0 else None)
             bottom += v
-        ax.plot([i - 0.4, i + 0.4], [med["ttft_ms"]] * 2, "k-", lw=2, label="TTFT (p50)" if i == 0 else None)
+        ax.plot(
+            [i - 0.4, i + 0.4], [med["switch_ms"]] * 2, "k-", lw=2, label="switch (p50)" if i == 0 else None
+        )
         ax.plot(
             [i - 0.4, i + 0.4],
             [med["limit_ms"]] * 2,
@@ -814,63 +900,68 @@ def plot(runs: list[dict[str, Any]], out: Path) -> None:
             lw=2,
             label="physical limit (p50)" if i == 0 else None,
         )
-    ax.set_xticks(range(len(first)), [r["policy"] for r in first], rotation=15)
-    ax.set_ylabel("ms (medians over switches)")
-    ax.set_title(f"Where a switch's time goes ({workloads[0]})")
-    ax.legend(fontsize=7)
-    width = 0.8 / max(1, len(policies))
-    for ax, key, ylabel, title in (
-        (axes[1], "ttft", "switch TTFT p50 (ms, log)", "Switch TTFT vs the physical limit"),
-        (axes[2], "bytes", "MB written per call", "Bytes written per call"),
-    ):
-        for k, pol in enumerate(policies):
-            xs, ys = [], []
-            for i, w in enumerate(workloads):
-                found = [r for r in ok if r["workload"] == w and r["policy"] == pol]
-                if not found:
-                    continue
-                xs.append(i + k * width)
-                s = found[0]["summary"]
-                ys.append(s["p50"]["ttft_ms"] if key == "ttft" else s["bytes_written_per_call"] / 1e6)
-            ax.bar(xs, ys, width, label=pol, color=f"C{k + 4}")
+    ax.set_xticks(range(len(shown)), [r["policy"] for r in shown])
+    cold = [r for r in runs if r["policy"] == "cold"]
+    note = f"; cold: {cold[0]['summary']['p50']['switch_ms'] / 1000:.1f} s" if cold else ""
+    ax.set_ylabel("ms, medians over switches")
+    ax.set_title(f"A switch without the queueing ({runs[0]['workload']}{note})", fontsize=10)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.35)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+
+
+def _plot_bars(ax: Any, runs: list[dict[str, Any]], key: str) -> None:
+    """Per workload and policy: switch p50 against the limit, or MB written per call against one full
+    snapshot per response."""
+    workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in runs)]
+    policies = [p for p in POLICIES if any(r["policy"] == p for r in runs)]
+    width = 0.8 / len(policies)
+    for k, pol in enumerate(policies):
+        xs, ys = [], []
         for i, w in enumerate(workloads):
-            rs = [r for r in ok if r["workload"] == w]
-            ref = (
-                statistics.median(r["summary"]["p50"]["limit_ms"] for r in rs)
-                if key == "ttft"
-                else statistics.median(r["summary"]["hearth_bytes_per_call"] for r in rs) / 1e6
-            )
-            ax.plot(
-                [i - width / 2, i + 0.8 - width / 2],
-                [ref, ref],
-                "r--",
-                label=("physical limit" if key == "ttft" else "one full snapshot per response")
-                if i == 0
-                else None,
-            )
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], workloads)
-        if key == "ttft":
-            ax.set_yscale("log")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+            found = [r["summary"] for r in runs if r["workload"] == w and r["policy"] == pol]
+            if found:
+                xs.append(i + k * width)
+                ys.append(
+                    found[0]["p50"]["switch_ms"]
+                    if key == "switch"
+                    else found[0]["bytes_written_per_call"] / 1e6
+                )
+        ax.bar(xs, ys, width, label=pol, color=f"C{k + 4}")
+    for i, w in enumerate(workloads):
+        sums = [r["summary"] for r in runs if r["workload"] == w]
+        ref = statistics.median(
+            s["p50"]["limit_ms"] if key == "switch" else s["hearth_bytes_per_call"] / 1e6 for s in sums
+        )
+        label = "physical limit" if key == "switch" else "one full snapshot per response"
+        ax.plot([i - width / 2, i + 0.8 - width / 2], [ref, ref], "r--", label=label if i == 0 else None)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], workloads)
+    if key == "switch":
+        ax.set_yscale("log")
+        ax.set_ylabel("switch p50: TTFT minus queueing (ms, log)")
+        ax.set_title("Switch time vs the physical limit", fontsize=10)
+    else:
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.3)
+        ax.set_ylabel("MB written per call")
+        ax.set_title("Bytes written per call (kvsidecar; the baselines write none)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
 
 
 def run_all(p: Params, binary: Path, model: Path, work: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    all_sessions = plans(p)
-    print(f"prebuilding {len(all_sessions)} histories ...", file=sys.stderr)
-    seeds, pre = prebuild(binary, model, p, all_sessions)
+    seeds: dict[int, Path] = {}
+    pre: dict[str, Any] = {}
+    for parallel in sorted({WORKLOADS[w][0] for w in p.workloads}):
+        sessions = plans(p)[: session_count(p, parallel)]
+        print(f"prebuilding {len(sessions)} histories for --parallel {parallel} ...", file=sys.stderr)
+        seeds[parallel], pre[f"parallel_{parallel}"] = prebuild(binary, model, sessions, parallel)
+    first = pre[min(pre)]
+    pre |= {k: first[k] for k in ("read_gbps", "file_bytes_per_token")}
     runs = []
     for workload in p.workloads:
         for policy in p.policies:
             if policy == "cold" and workload not in p.cold_workloads:
                 continue
             print(f"{workload} / {policy} ...", file=sys.stderr)
-            run = run_one(binary, model, work, seeds, p, workload, policy)
+            run = run_one(binary, model, work, seeds[WORKLOADS[workload][0]], p, workload, policy)
             runs.append(run)
             if run.get("available"):
                 done = run["turns"]
