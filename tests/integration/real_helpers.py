@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from kvsidecar.backend.base import EraseResult, RestoreResult, SaveResult
 from kvsidecar.backend.llamacpp import LlamaCppBackend
 from kvsidecar.config import config_from_mapping
@@ -105,3 +107,23 @@ async def real_harness(server: LlamaServer, tmp_path: Path, **overrides: Any) ->
     await coordinator.start()
     backend.calls.clear()  # the runtime canary measured at start
     return RealHarness(coordinator=coordinator, backend=backend, server=server)
+
+
+def generate(base_url: str, text: str, slot_id: int, *, n_predict: int = 12) -> str:
+    """What the model writes after `text` at temperature 0 on a pinned slot (reusing what it caches)."""
+    body = {
+        "prompt": text,
+        "n_predict": n_predict,
+        "temperature": 0,
+        "cache_prompt": True,
+        "id_slot": slot_id,
+    }
+    response = httpx.post(f"{base_url}/completion", json=body, timeout=600)
+    response.raise_for_status()
+    content = response.json()["content"]
+    assert isinstance(content, str)
+    return content
+
+
+def erase(base_url: str, slot_id: int) -> None:
+    httpx.post(f"{base_url}/slots/{slot_id}?action=erase", timeout=30).raise_for_status()

@@ -11,27 +11,16 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import httpx
-
 from kvsidecar.coordinator.costs import ServerCosts
 from kvsidecar.coordinator.state import Outcome, SessionRuntime
 from tests.conftest import StartServer
-from tests.integration.real_helpers import RealHarness, prompt, real_harness
+from tests.integration.real_helpers import RealHarness, erase, generate, prompt, real_harness
 
 COST_AWARE = {"checkpoint": {"policy": "cost-aware", "idle_s": 3600}}
 
 
 def rt_of(h: RealHarness, session: str) -> SessionRuntime:
     return next(rt for rt in h.coordinator.sessions.by_key.values() if rt.identity.session_id == session)
-
-
-def generate(base_url: str, text: str, slot_id: int) -> str:
-    body = {"prompt": text, "n_predict": 8, "temperature": 0, "cache_prompt": True, "id_slot": slot_id}
-    response = httpx.post(f"{base_url}/completion", json=body, timeout=600)
-    response.raise_for_status()
-    content = response.json()["content"]
-    assert isinstance(content, str)
-    return content
 
 
 async def test_clean_ahead_then_the_switch_does_no_save(start_llama: StartServer, tmp_path: Path) -> None:
@@ -76,7 +65,7 @@ async def test_skipped_save_restores_the_older_generation_and_recomputes_the_res
         warm = await asyncio.to_thread(generate, server.base_url, prompt("A", n), r.slot_id)
         assert r.lease_id is not None
         await h.coordinator.release(r.lease_id, status="aborted")
-        httpx.post(f"{server.base_url}/slots/{r.slot_id}?action=erase", timeout=30).raise_for_status()
+        await asyncio.to_thread(erase, server.base_url, r.slot_id)
         cold = await asyncio.to_thread(generate, server.base_url, prompt("A", n), r.slot_id)
         assert warm == cold
         assert r.restored_tokens < 2 * 600  # the older generation

@@ -13,7 +13,6 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvsidecar.coordinator.state import Outcome
@@ -21,22 +20,9 @@ from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.testing.llama import LlamaServer, llama_server_binary, vocab_dir
 from kvsidecar.testing.models import ModelShape, generate_llama_model
 from tests.conftest import StartServer
-from tests.integration.real_helpers import RealHarness, prompt, real_harness
+from tests.integration.real_helpers import RealHarness, erase, generate, prompt, real_harness
 
 OTHER = ModelShape(seed=4321)  # the same shape and size as TINY, other weights
-
-
-def generate(base_url: str, text: str, slot_id: int) -> str:
-    body = {"prompt": text, "n_predict": 12, "temperature": 0, "cache_prompt": True, "id_slot": slot_id}
-    response = httpx.post(f"{base_url}/completion", json=body, timeout=600)
-    response.raise_for_status()
-    content = response.json()["content"]
-    assert isinstance(content, str)
-    return content
-
-
-def erase(base_url: str, slot_id: int) -> None:
-    httpx.post(f"{base_url}/slots/{slot_id}?action=erase", timeout=30).raise_for_status()
 
 
 async def acquire_and_generate(h: RealHarness, session: str) -> tuple[Outcome, str, str]:
