@@ -94,6 +94,12 @@ _TAIL_BYTES = 256 * 1024
 AUX_PURPOSE = "proxy"
 
 
+def _final_event(chunk: bytes, tail: _Tail) -> bool:
+    """llama-server's last event of a stream carries its `timings`: the answer is complete then, even if
+    the end of the HTTP message arrives later (a client that has read it may hang up at once)."""
+    return b'"timings"' in chunk and tail.timings() is not None
+
+
 class _Tail:
     """The end of a response, enough to find the engine's final `timings` object."""
 
@@ -372,7 +378,7 @@ class Proxy:
         try:
             async for chunk in response.stream():
                 tail.feed(chunk)
-                if release is not None and response.finished:
+                if release is not None and (response.finished or _final_event(chunk, tail)):
                     await release(status, tail.timings())
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as exc:
