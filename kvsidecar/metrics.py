@@ -80,13 +80,6 @@ class Metrics:
             ["server", "result"],
             registry=r,
         )
-        self.cost = Gauge(
-            "kv_cost_estimate",
-            "The learned cost model: save/restore bytes per second, prefill tokens per second, KV bytes "
-            "per token",
-            ["server", "figure"],
-            registry=r,
-        )
         self.think_seconds = Histogram(
             "kv_think_seconds",
             "Time from a session's release to its next acquire",

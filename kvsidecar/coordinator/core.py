@@ -82,8 +82,8 @@ class Coordinator:
         self.acquire_timeout_s = acquire_timeout_s
         self.servers = build_servers(config, backends, process_finder, process_check, digests, monotonic)
         self.scheduler = AsyncIOScheduler(timezone="UTC")  # the daemon's retention job runs on it
-        self.telemetry = Telemetry(self.metrics)
         self.costs = CostModel()
+        self.telemetry = Telemetry(self.metrics, self.costs)
         self.monotonic = monotonic
         self.sessions = SessionTable(store)
         self.pool = SlotPool(is_dirty=self.sessions.is_dirty, monotonic=monotonic)

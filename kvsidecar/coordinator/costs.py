@@ -85,12 +85,16 @@ class CostModel:
     def server(self, name: str) -> ServerCosts:
         return self.servers.setdefault(name, ServerCosts())
 
-    def observe_transfer(self, server: str, *, kind: str, nbytes: int, tokens: int, ms: float | None) -> None:
-        """A save or a restore of `nbytes` holding `tokens`, which took `ms` (llama-server's own figure)."""
+    def observe_transfer(
+        self, server: str, *, kind: str, nbytes: int, tokens: int, server_ms: float | None, measured_ms: float
+    ) -> None:
+        """A save or a restore of `nbytes` holding `tokens`: llama-server's own time when it reports one,
+        else the time measured around the call."""
+        ms = server_ms or measured_ms
         costs = self.server(server)
         if tokens > 0 and nbytes > 0:
             costs.kv_bytes_per_token.update(nbytes / tokens)
-        if ms is not None and ms > 0 and nbytes > 0:
+        if ms > 0 and nbytes > 0:
             bw = nbytes / (ms / 1000.0)
             (costs.save_bytes_per_s if kind == "save" else costs.restore_bytes_per_s).update(bw)
 

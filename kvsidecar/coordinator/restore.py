@@ -150,11 +150,14 @@ class Restorer:
         rt.base_tokens = rt.context_tokens = slot.tokens = restored.tokens
         rt.base_generation, rt.append_only = candidate.generation, True
         self.telemetry.restored(srv.name, restored.bytes_read, restored.measured_ms)
-        ms = restored.server_ms if restored.server_ms else restored.measured_ms
         self.costs.observe_transfer(
-            srv.name, kind="restore", nbytes=restored.bytes_read, tokens=restored.tokens, ms=ms
+            srv.name,
+            kind="restore",
+            nbytes=restored.bytes_read,
+            tokens=restored.tokens,
+            server_ms=restored.server_ms,
+            measured_ms=restored.measured_ms,
         )
-        self.telemetry.costs(srv.name, self.costs.server(srv.name).view())
         self.store.touch(rt.key, persist=False)
         return True
 

@@ -155,11 +155,14 @@ class Saver:
         self.guard.breaker_success(srv)
         rt.saved_revision = max(rt.saved_revision, revision)
         rt.base_tokens, rt.append_only = saved.tokens, True
-        ms = saved.server_ms if saved.server_ms else saved.measured_ms
         self.costs.observe_transfer(
-            srv.name, kind="save", nbytes=saved.bytes_written, tokens=saved.tokens, ms=ms
+            srv.name,
+            kind="save",
+            nbytes=saved.bytes_written,
+            tokens=saved.tokens,
+            server_ms=saved.server_ms,
+            measured_ms=saved.measured_ms,
         )
-        self.telemetry.costs(srv.name, self.costs.server(srv.name).view())
         self.sessions.apply(rt, SessionEvent.SAVED, resident=slot.owner == rt.key)
         elapsed_ms = (self.monotonic() - started) * 1000
         self.telemetry.saved(srv.name, rt, trigger, saved.tokens, saved.bytes_written, elapsed_ms)

@@ -8,8 +8,13 @@ page and `/metrics` can never disagree.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
+from prometheus_client.metrics_core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvsidecar.coordinator.costs import CostModel
 from kvsidecar.coordinator.state import Lease, Outcome, SessionRuntime
 from kvsidecar.errors import KvError
 from kvsidecar.logs import event
@@ -30,9 +35,31 @@ def _total(metric: Any, **labels: str) -> int:
     return int(total)
 
 
+class CostCollector(Collector):
+    """`kv_cost_estimate{server,figure}`, read from the cost model when /metrics is scraped (every figure
+    as learned now: nothing to keep in step)."""
+
+    def __init__(self, costs: CostModel) -> None:
+        self.costs = costs
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "kv_cost_estimate",
+            "The learned cost model: save/restore bytes per second, prefill tokens per second, KV bytes "
+            "per token",
+            labels=["server", "figure"],
+        )
+        for server, figures in self.costs.view().items():
+            for figure, value in figures.items():
+                if value is not None:
+                    family.add_metric([server, figure], value)
+        yield family
+
+
 class Telemetry:
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, costs: CostModel) -> None:
         self.metrics = metrics
+        metrics.registry.register(CostCollector(costs))
 
     def stats(self) -> dict[str, int]:
         m = self.metrics
@@ -246,11 +273,6 @@ class Telemetry:
             bytes=nbytes,
             save_ms=round(ms, 1),
         )
-
-    def costs(self, server: str, figures: dict[str, float | None]) -> None:
-        for figure, value in figures.items():
-            if value is not None:
-                self.metrics.cost.labels(server, figure).set(value)
 
     def think(self, server: str, seconds: float) -> None:
         self.metrics.think_seconds.labels(server).observe(seconds)

@@ -53,7 +53,9 @@ async def test_skipped_save_restores_the_older_generation_and_recomputes_the_res
         await h.turn("A")  # restored, then 600 more
         costs = h.coordinator.costs
         costs.servers["local"] = ServerCosts()  # a slow disk and a fast prefill, as on a big model
-        costs.observe_transfer("local", kind="save", nbytes=1 << 30, tokens=1000, ms=60_000.0)
+        costs.observe_transfer(
+            "local", kind="save", nbytes=1 << 30, tokens=1000, server_ms=60_000.0, measured_ms=60_000.0
+        )
         costs.observe_prefill("local", tokens=100_000, ms=1_000.0)
         h.calls()
         await h.turn("B")

@@ -32,14 +32,20 @@ def rt_of(h: Harness, session: str) -> SessionRuntime:
 def test_cost_model_learns_and_predicts() -> None:
     costs = CostModel()
     assert costs.server("s").save_s(1000) is None  # nothing learned: no prediction
-    costs.observe_transfer("s", kind="save", nbytes=128 * 1024 * 1000, tokens=1000, ms=1000.0)
-    costs.observe_transfer("s", kind="restore", nbytes=128 * 1024 * 1000, tokens=1000, ms=100.0)
+    costs.observe_transfer(
+        "s", kind="save", nbytes=128 * 1024 * 1000, tokens=1000, server_ms=1000.0, measured_ms=1000.0
+    )
+    costs.observe_transfer(
+        "s", kind="restore", nbytes=128 * 1024 * 1000, tokens=1000, server_ms=100.0, measured_ms=100.0
+    )
     costs.observe_prefill("s", tokens=500, ms=5000.0)
     s = costs.server("s")
     assert s.save_s(2000) == pytest.approx(2.0)
     assert s.restore_s(2000) == pytest.approx(0.2)
     assert s.prefill_s(100) == pytest.approx(1.0)
-    costs.observe_transfer("s", kind="save", nbytes=128 * 1024 * 1000, tokens=1000, ms=2000.0)
+    costs.observe_transfer(
+        "s", kind="save", nbytes=128 * 1024 * 1000, tokens=1000, server_ms=2000.0, measured_ms=2000.0
+    )
     slower = s.save_s(1000)
     assert slower is not None and 1.0 < slower < 2.0  # follows a slower disk, smoothly
 
@@ -118,7 +124,9 @@ async def test_skip_a_save_when_recomputing_is_cheaper(h: Harness) -> None:
     await h.turn("A")  # restored: the slot extends A's 50-token snapshot
     # a slow disk and a fast prefill: 50 more tokens are cheaper to recompute than 100 to write
     costs.servers["local"] = ServerCosts()
-    costs.observe_transfer("local", kind="save", nbytes=64 * 100, tokens=100, ms=10_000.0)
+    costs.observe_transfer(
+        "local", kind="save", nbytes=64 * 100, tokens=100, server_ms=10_000.0, measured_ms=10_000.0
+    )
     costs.observe_prefill("local", tokens=1000, ms=10.0)
     h.calls()
     await h.turn("B")  # evicts A (100 tokens, append-only since its 50-token snapshot): no save
@@ -140,7 +148,9 @@ async def test_no_skip_when_the_history_was_rewritten(h: Harness) -> None:
     prompt_n, cache_n = h.fake.infer(r.slot_id, rewritten)
     await h.coordinator.release(r.lease_id, status="ok", prompt_tokens=prompt_n, cached_tokens=cache_n)
     costs.servers["local"] = ServerCosts()
-    costs.observe_transfer("local", kind="save", nbytes=64 * 100, tokens=100, ms=10_000.0)
+    costs.observe_transfer(
+        "local", kind="save", nbytes=64 * 100, tokens=100, server_ms=10_000.0, measured_ms=10_000.0
+    )
     costs.observe_prefill("local", tokens=1000, ms=10.0)
     h.calls()
     await h.turn("B")
@@ -198,3 +208,11 @@ async def test_long_think_times_start_the_clean_ahead_right_after_the_release(h:
     rt.think_s.extend([30.0, 45.0])  # this session thinks far longer than a save takes
     h.coordinator.checkpoints.touched(rt)
     assert rt.clean_timer is not None and rt.clean_timer.when() - loop.time() < 0.05
+
+
+async def test_cost_estimates_are_read_at_scrape_time(h: Harness) -> None:
+    """Every learned figure is in /metrics as it is now, the prefill speed included (it has no save of its
+    own to publish it)."""
+    h.coordinator.costs.observe_prefill("local", tokens=1000, ms=500.0)
+    text = h.coordinator.metrics.render().decode()
+    assert 'kv_cost_estimate{figure="prefill_tokens_per_s",server="local"} 2000.0' in text
