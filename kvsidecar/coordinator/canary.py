@@ -20,10 +20,9 @@ import secrets
 import stat
 from pathlib import Path
 
-import xxhash
-
 from kvsidecar.backend.base import KvBackend
 from kvsidecar.errors import SaveFailed
+from kvsidecar.store.integrity import checksum_from_fd
 
 CANARY_PROMPT = (
     "kvsidecar runtime canary. The quick brown fox jumps over the lazy dog; "
@@ -61,10 +60,7 @@ def hash_canary_file(path: Path) -> str:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_CANARY_BYTES:
             raise SaveFailed(f"runtime canary file {path.name} is not a small regular file")
-        h = xxhash.xxh3_128()
-        while block := os.read(fd, 1 << 20):
-            h.update(block)
-        return h.hexdigest()
+        return checksum_from_fd(fd).removeprefix("xxh3-128:")
     finally:
         os.close(fd)
 

@@ -188,9 +188,7 @@ class CheckpointPolicy:
 
     # clean ahead ---------------------------------------------------------------------------------------
     def _arm_clean_ahead(self, rt: SessionRuntime) -> None:
-        if rt.clean_timer is not None:
-            rt.clean_timer.cancel()
-            rt.clean_timer = None
+        rt.cancel_clean_ahead()
         if self.config.checkpoint.policy != "cost-aware" or not self.active or rt.context_tokens is None:
             return
         save_s = self.costs.server(rt.identity.server).save_s(rt.context_tokens)
@@ -243,14 +241,9 @@ class CheckpointPolicy:
     def policy_changed(self) -> None:
         """SIGHUP changed the policy: pending clean-ahead checks belong to the old one."""
         for rt in self.sessions.by_key.values():
-            if rt.clean_timer is not None:
-                rt.clean_timer.cancel()
-                rt.clean_timer = None
+            rt.cancel_clean_ahead()
 
     def close(self) -> None:
         self.active = False
         for rt in self.sessions.by_key.values():
-            for timer in (rt.idle_timer, rt.clean_timer):
-                if timer is not None:
-                    timer.cancel()
-            rt.idle_timer = rt.clean_timer = None
+            rt.cancel_timers()

@@ -116,10 +116,7 @@ class SessionTable:
         return out
 
     def drop(self, rt: SessionRuntime) -> None:
-        for timer in (rt.idle_timer, rt.clean_timer):
-            if timer is not None:
-                timer.cancel()
-        rt.idle_timer = rt.clean_timer = None
+        rt.cancel_timers()
         self.by_key.pop(rt.key, None)
         keys = self.by_session_id.get(rt.identity.session_id)
         if keys is not None:

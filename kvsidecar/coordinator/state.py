@@ -65,6 +65,18 @@ class SessionRuntime:
     def key(self) -> str:
         return self.identity.key
 
+    def cancel_clean_ahead(self) -> None:
+        if self.clean_timer is not None:
+            self.clean_timer.cancel()
+            self.clean_timer = None
+
+    def cancel_timers(self) -> None:
+        """Its idle and clean-ahead timers: the session is dropped, or the coordinator closes."""
+        self.cancel_clean_ahead()
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+
     @property
     def dirty(self) -> bool:
         return self.dirty_revision > self.saved_revision
