@@ -682,7 +682,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if not s.name.startswith("kv_") or s.name.endswith(("_created", "_bucket")):
+            if not s.name.startswith("kvsidecar_") or s.name.endswith(("_created", "_bucket")):
                 continue
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "server")
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
@@ -831,12 +831,12 @@ def summarise(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]
         "switch_over_restore_plus_prefill_p50": p50(
             [r["switch_ms"] / ((r["restore_ms"] or 0) + r["prompt_ms"]) for r in sw if r["prompt_ms"] > 0]
         ),
-        "bytes_written_per_call": metric_sum(m, "kv_save_bytes_total") / n,
-        "bytes_read_per_call": metric_sum(m, "kv_restore_bytes_total") / n,
+        "bytes_written_per_call": metric_sum(m, "kvsidecar_save_bytes_total") / n,
+        "bytes_read_per_call": metric_sum(m, "kvsidecar_restore_bytes_total") / n,
         "hearth_bytes_per_call": statistics.fmean(r["hearth_bytes"] for r in rows) if rows else 0.0,
         "full_snapshots_per_call": sum(triggers.values()) / n,
         "saves_by_trigger": triggers,
-        "saves_skipped": {k: v for k, v in m.items() if k.startswith("kv_save_skipped")},
+        "saves_skipped": {k: v for k, v in m.items() if k.startswith("kvsidecar_save_skipped")},
         # llama-server's own timings where the daemon passes them on (restore: the acquire answer; save:
         # the log event's server_ms, if this build logs it), and kvsidecar's wall time of each save
         "llama_restore_ms_p50": p50(

@@ -73,6 +73,38 @@ def section_ttft(t: dict[str, Any]) -> list[str]:
     ]
 
 
+def section_switch_raw(d: dict[str, Any]) -> list[str]:
+    raw, side = d["raw"], d["kvsidecar"]
+
+    def row(name: str, r: dict[str, Any], save: str, restore: str) -> str:
+        return (
+            f"| {name} | {r['ttft_ms']['p50']:,.1f} | {r['manage_ms']['p50']:,.1f} | {save} | {restore} "
+            f"| {r['first_ms']['p50']:,.1f} | {r['prompt_n']['p50']:,.0f} | {r['ttft_ms']['n']} |"
+        )
+
+    return [
+        "## Switch-back through kvsidecar vs driving `/slots` by hand (Gemma 3 270M, CPU)",
+        "",
+        f"`bench/bench_switch_raw.py`: one llama-server (`{d['llama_flags']}`), two sessions of "
+        f"{d['prompt_tokens']:,.0f} tokens taking turns on the one slot, each turn appending a few words. The raw "
+        "harness saves the outgoing slot to a file, restores the incoming one's file and streams the completion; "
+        "kvsidecar does the same through its acquire hook (save, checksum and manifest of the outgoing session, "
+        "verified restore of the incoming one; `save-before-evict`, so every switch pays the save). Phases run "
+        "raw, kvsidecar, raw on the same server. TTFT is from before the first management call to the first "
+        "streamed token; management is the save + restore calls (raw) or the acquire hook (kvsidecar); first "
+        "token is the completion call alone. Medians in ms.",
+        "",
+        "| path | TTFT | management | save | restore | first token | new tokens | n |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        row("raw /slots", raw, f"{raw['save_ms']['p50']:,.1f}", f"{raw['restore_ms']['p50']:,.1f}"),
+        row("kvsidecar", side, "", f"{side['restore_ms']['p50']:,.1f}"),
+        "",
+        f"**kvsidecar / raw, TTFT p50: {d['ratio_ttft_p50']:.2f}x** (management alone: "
+        f"{side['manage_ms']['p50'] / raw['manage_ms']['p50']:.2f}x).",
+        "",
+    ]
+
+
 def section_store(s: dict[str, Any]) -> list[str]:
     r, c, w = s["reconcile"], s["checksum"], s["manifest_write"]
     return [
@@ -498,6 +530,7 @@ def main() -> int:
     sections = (
         ("context", section_context),
         ("ttft", section_ttft),
+        ("switch_raw", section_switch_raw),
         ("hooks", section_hooks),
         ("store", section_store),
         ("digest", section_digest),

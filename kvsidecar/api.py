@@ -17,14 +17,33 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
-from kvsidecar import __version__
+from kvsidecar import __version__, api_models
 from kvsidecar.coordinator.core import Coordinator, EventType, ReleaseStatus
 from kvsidecar.doctor import Doctor
-from kvsidecar.errors import NotFound
+from kvsidecar.errors import (
+    BackendUnavailable,
+    BackendUnsupported,
+    EraseFailed,
+    InvalidSessionId,
+    KvError,
+    LeaseNotFound,
+    MetadataIO,
+    NotFound,
+    OperationTimeout,
+    RestoreFailed,
+    SaveFailed,
+    ShuttingDown,
+    SlotBusy,
+    SlotNotFound,
+    SnapshotCorrupt,
+    SnapshotIncompatible,
+    SnapshotNotFound,
+)
 from kvsidecar.retention import RetentionJob
 from kvsidecar.router import (
     Call,
     ClientGone,
+    Handler,
     Lifespan,
     Param,
     Route,
@@ -40,6 +59,24 @@ __all__ = ["ClientGone", "create_app", "error_response", "is_loopback", "read_bo
 
 _Label = Annotated[str, Field(min_length=1, max_length=256)]
 
+# What handlers raise, for the OpenAPI document (kvsidecar.openapi adds what every request can meet).
+# SLOT: the route waits for a slot. STRICT: a save or restore failure, raised only with failure.strict
+# (otherwise it falls back to a cold start).
+SLOT: tuple[type[KvError], ...] = (SlotBusy, ShuttingDown)
+STRICT: tuple[type[KvError], ...] = (
+    SnapshotNotFound,
+    SnapshotIncompatible,
+    SnapshotCorrupt,
+    MetadataIO,
+    BackendUnavailable,
+    BackendUnsupported,
+    SlotNotFound,
+    SaveFailed,
+    RestoreFailed,
+    EraseFailed,
+    OperationTimeout,
+)
+
 
 def _lease_id(value: str) -> str:
     """Any string: a lease id the coordinator does not hold, however it looks, is 404 KV_LEASE_NOT_FOUND
@@ -50,7 +87,14 @@ def _lease_id(value: str) -> str:
 PARAMS = {
     "session_id": Param(
         convert=validate_session_id,
-        schema=Annotated[str, Path(description="opaque harness session id, 1-128 of [A-Za-z0-9._:@+-]")],
+        schema=Annotated[
+            str,
+            Path(
+                description="opaque harness session id, 1-128 of [A-Za-z0-9._:@+-]",
+                pattern=r"^[A-Za-z0-9._:@+\-]{1,128}$",  # kvsidecar.store.naming's rule, for the document
+            ),
+        ],
+        errors=(InvalidSessionId,),
     ),
     "lease_id": Param(
         convert=_lease_id, schema=Annotated[str, Path(description="the lease id acquire returned")]
@@ -118,6 +162,22 @@ def routes(coordinator: Coordinator, retention: RetentionJob | None = None) -> l
     return [*_hook_routes(coordinator), *_session_routes(coordinator), *_view_routes(coordinator, retention)]
 
 
+def _route(
+    method: str,
+    path: str,
+    handler: Handler,
+    returns: type[BaseModel],
+    errors: tuple[type[KvError], ...] = (),
+    *,
+    body: type[BaseModel] | None = None,
+    query: type[BaseModel] | None = None,
+) -> Route:
+    """A JSON route: its 200 model and the errors its handler raises are for the OpenAPI document."""
+    return Route(
+        method=method, path=path, handler=handler, body=body, query=query, returns=returns, errors=errors
+    )
+
+
 def _hook_routes(coordinator: Coordinator) -> list[Route]:
     async def healthz(_: Call) -> dict[str, str]:
         """Liveness: no token needed."""
@@ -154,11 +214,21 @@ def _hook_routes(coordinator: Coordinator) -> list[Route]:
             prompt_ms=body.prompt_ms,
         )
 
+    acquired = api_models.AcquireResponse
     return [
-        Route(method="GET", path="/healthz", handler=healthz, public=True),
-        Route(method="POST", path="/v1/sessions/{session_id}/acquire", handler=acquire, body=AcquireBody),
-        Route(method="POST", path="/v1/acquire", handler=acquire_auxiliary, body=AcquireBody),
-        Route(method="POST", path="/v1/leases/{lease_id}/release", handler=release, body=ReleaseBody),
+        Route(method="GET", path="/healthz", handler=healthz, public=True, returns=api_models.Health),
+        _route(
+            "POST", "/v1/sessions/{session_id}/acquire", acquire, acquired, SLOT + STRICT, body=AcquireBody
+        ),
+        _route("POST", "/v1/acquire", acquire_auxiliary, acquired, SLOT + STRICT, body=AcquireBody),
+        _route(
+            "POST",
+            "/v1/leases/{lease_id}/release",
+            release,
+            api_models.ReleaseResponse,
+            (LeaseNotFound,),
+            body=ReleaseBody,
+        ),
     ]
 
 
@@ -193,12 +263,13 @@ def _session_routes(coordinator: Coordinator) -> list[Route]:
         return await coordinator.purge(call.params["session_id"])
 
     path = "/v1/sessions/{session_id}"
+    m = api_models
     return [
-        Route(method="POST", path=f"{path}/events", handler=session_event, body=EventBody),
-        Route(method="POST", path=f"{path}/save", handler=save),
-        Route(method="POST", path=f"{path}/restore", handler=restore, body=AcquireBody),
-        Route(method="POST", path=f"{path}/invalidate", handler=invalidate),
-        Route(method="DELETE", path=path, handler=purge),
+        _route("POST", f"{path}/events", session_event, m.EventResponse, SLOT + STRICT, body=EventBody),
+        _route("POST", f"{path}/save", save, m.SaveResponse, (NotFound, *SLOT, *STRICT)),
+        _route("POST", f"{path}/restore", restore, m.RestoreResponse, SLOT + STRICT, body=AcquireBody),
+        _route("POST", f"{path}/invalidate", invalidate, m.InvalidateResponse, (MetadataIO,)),
+        _route("DELETE", path, purge, m.PurgeResponse, (NotFound, *SLOT, MetadataIO)),
     ]
 
 
@@ -226,12 +297,14 @@ def _view_routes(coordinator: Coordinator, retention: RetentionJob | None) -> li
         """Spec §48 checks for every server; `deep` runs a save/erase/restore round trip on a held slot."""
         return await _doctor(coordinator, deep=call.query_as(DoctorQuery).deep)
 
+    m = api_models
     table = [
-        Route(method="GET", path="/v1/sessions", handler=sessions),
-        Route(method="GET", path="/v1/sessions/{session_id}", handler=session),
-        Route(method="GET", path="/v1/status", handler=status),
-        Route(method="GET", path="/metrics", handler=metrics),
-        Route(method="GET", path="/v1/doctor", handler=doctor, query=DoctorQuery),
+        _route("GET", "/v1/sessions", sessions, m.SessionsResponse),
+        _route("GET", "/v1/sessions/{session_id}", session, m.SessionResponse, (NotFound,)),
+        _route("GET", "/v1/status", status, m.StatusResponse),
+        Route(method="GET", path="/metrics", handler=metrics, media_type="text/plain"),
+        # deep: the round trip holds a slot (its owner is checkpointed first)
+        _route("GET", "/v1/doctor", doctor, m.DoctorResponse, SLOT + STRICT, query=DoctorQuery),
     ]
     if retention is not None:
 
@@ -239,7 +312,7 @@ def _view_routes(coordinator: Coordinator, retention: RetentionJob | None) -> li
             """Run retention now: the plan (what, why), and what was removed unless dry_run."""
             return await retention.run(dry_run=call.query_as(GcQuery).dry_run)
 
-        table.append(Route(method="POST", path="/v1/gc", handler=gc, query=GcQuery))
+        table.append(_route("POST", "/v1/gc", gc, m.GcResponse, (MetadataIO,), query=GcQuery))
     return table
 
 

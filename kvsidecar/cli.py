@@ -1,38 +1,42 @@
 """The `kvsidecar` command: a thin adapter over the service, the client, the store and the doctor
-(its text output is in `cli_text`).
+(its text output is in `cli_text`; `install-systemd` is in `cli_systemd`, `config` in `cli_config`).
 
 Exit codes: 0 success (doctor: READY); 1 the operation failed (doctor: NOT READY); 2 bad usage or
-configuration, or (serve) another daemon holds the state directory; 3 the daemon is not reachable;
-4 doctor says DEGRADED.
+configuration, or (serve) another daemon holds the state directory or a listen address is taken, or
+(install-systemd) a path the units would hide; 3 the daemon is not reachable; 4 doctor says DEGRADED;
+141 stdout's reader went away (`| head`), as for a Unix tool ended by SIGPIPE.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
-import shutil
 import socket
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeAlias
-from urllib.parse import urlsplit
 
 import httpx
 
 from kvsidecar import __version__
-from kvsidecar.cli_text import render_doctor, render_gc, render_sessions, render_status
+from kvsidecar.cli_config import add_config_commands
+from kvsidecar.cli_systemd import add_install_systemd
+from kvsidecar.cli_text import render_doctor, render_gc, render_sessions, render_show, render_status
 from kvsidecar.cli_text import table as table  # re-exported: tests import it from here
-from kvsidecar.config import Config, load_config
+from kvsidecar.config import Config, find_config, load_config
 from kvsidecar.errors import KvError
 from kvsidecar.logs import configure
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_DEGRADED = 0, 1, 2, 3, 4
 # Errors that mean "this cannot start as configured", not "the operation failed".
-USAGE_CODES = frozenset({"KV_CONFIG_INVALID", "KV_STATE_LOCKED"})
+USAGE_CODES = frozenset({"KV_CONFIG_INVALID", "KV_STATE_LOCKED", "KV_LISTEN_IN_USE", "KV_UNIT_PATH_UNSAFE"})
+# A reader that went away (`kvsidecar status | head -2`): what a Unix tool killed by SIGPIPE exits with.
+EXIT_BROKEN_PIPE = 128 + 13
 
 
 class Unreachable(Exception):
@@ -81,7 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = _load(args)
     configure(config.logging.level, config.logging.format)
-    config_path = args.config or Path(os.environ.get("KVSIDECAR_CONFIG", "/etc/kvsidecar/config.yaml"))
+    config_path = find_config(args.config).path  # None: no file, the defaults (SIGHUP looks again)
     try:
         import uvloop
 
@@ -102,14 +106,6 @@ def cmd_wait_ready(args: argparse.Namespace) -> int:
             time.sleep(0.2)
     print(f"kvsidecar: not ready after {args.timeout}s", file=sys.stderr)
     return EXIT_UNREACHABLE
-
-
-def cmd_config_check(args: argparse.Namespace) -> int:
-    config = _load(args)
-    for note in config.deprecations():
-        print(f"kvsidecar: warning: {note}", file=sys.stderr)
-    print(json.dumps(config.model_dump(mode="json"), indent=2) if args.json else "config OK")
-    return EXIT_OK
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -147,7 +143,7 @@ def cmd_sessions(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     data = _call(_load(args), "GET", f"/v1/sessions/{args.session}")
-    _emit(args, data, lambda d: json.dumps(d, indent=2, default=str))
+    _emit(args, data, render_show)
     return EXIT_OK
 
 
@@ -225,48 +221,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return {"READY": EXIT_OK, "DEGRADED": EXIT_DEGRADED}.get(data["result"], EXIT_FAILED)
 
 
-def cmd_install_systemd(args: argparse.Namespace) -> int:
-    from kvsidecar.units import UNITS, UnitParams, render
-
-    config = _load(args)
-    server = next(iter(config.servers.values()))
-    exe = shutil.which("kvsidecar") or str(Path(sys.executable).with_name("kvsidecar"))
-    stop_s = int(config.checkpoint.shutdown_timeout_s + 30)
-    params = UnitParams(
-        user=args.user,
-        llama_user=args.llama_user,
-        group=args.group,
-        kvsidecar=args.kvsidecar or exe,
-        config=str(Path(args.config_path or args.config or "/etc/kvsidecar/config.yaml").resolve()),
-        state_dir=str(config.state_dir),
-        snapshot_dir=str(server.snapshot_dir),
-        llama_server=args.llama_server,
-        model=args.model,
-        llama_port=urlsplit(server.base_url).port or 8080,
-        stop_timeout_s=stop_s,
-    )
-    for path in (params.state_dir, params.snapshot_dir):
-        if path.startswith(("/home/", "/root/")):
-            print(
-                f"warning: {path} is under a home directory, which the unit hides (ProtectHome=yes); "
-                "use /var/lib/kvsidecar/... in the config",
-                file=sys.stderr,
-            )
-    dest = Path(args.dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in UNITS:
-        (dest / name).write_text(render(name, params))
-        print(f"wrote {dest / name}")
-    print(
-        f"next: create users {params.user} and {params.llama_user} sharing group {params.group}; "
-        f"mkdir -p {params.state_dir} {params.snapshot_dir}; "
-        f"chown {params.user}:{params.group} {params.state_dir}; "
-        f"chown {params.llama_user}:{params.group} {params.snapshot_dir}; chmod 2770 {params.snapshot_dir}; "
-        "systemctl daemon-reload && systemctl enable --now llama-server kvsidecar"
-    )
-    return EXIT_OK
-
-
 _Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
@@ -289,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvsidecar",
         description="KV-cache persistence daemon for llama-server.",
-        epilog="Exit codes: 0 ok (READY), 1 failed (NOT READY), 2 usage/config error or state_dir locked, "
-        "3 daemon unreachable, 4 DEGRADED.",
+        epilog="Exit codes: 0 ok (READY), 1 failed (NOT READY), 2 usage/config error, state_dir locked or "
+        "port in use, 3 daemon unreachable, 4 DEGRADED.",
     )
     parser.add_argument("--version", action="version", version=f"kvsidecar {__version__}")
     parser.add_argument(
@@ -298,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         type=Path,
         default=None,
-        help="config file (default: $KVSIDECAR_CONFIG or /etc/kvsidecar/config.yaml)",
+        help="config file (default: $KVSIDECAR_CONFIG, else the first of ~/.config/kvsidecar/config.yaml "
+        "and /etc/kvsidecar/config.yaml that exists, else the built-in defaults)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add(
@@ -340,30 +295,11 @@ def _add_maintenance_commands(sub: _Commands) -> None:
         "--deep", action="store_true", help="also save, erase, restore and confirm the engine reuses it"
     )
     p.add_argument("--offline", action="store_true", help="check directly, without asking the daemon")
-    cfg = sub.add_parser("config", help="configuration commands").add_subparsers(
-        dest="config_command", required=True
-    )
-    check = cfg.add_parser("check", help="validate the config file and name any bad key")
-    check.add_argument("--json", action="store_true", help="print the effective configuration")
-    check.set_defaults(func=cmd_config_check)
+    add_config_commands(sub)  # config init / check / schema (cli_config)
 
 
 def _add_install_commands(sub: _Commands) -> None:
-    p = _add(
-        sub,
-        "install-systemd",
-        cmd_install_systemd,
-        "render systemd units for kvsidecar and llama-server",
-        json_=False,
-    )
-    p.add_argument("--dest", default="/etc/systemd/system")
-    p.add_argument("--user", default="kvsidecar")
-    p.add_argument("--llama-user", default="llama")
-    p.add_argument("--group", default="llama", help="group shared by both services (snapshot files)")
-    p.add_argument("--kvsidecar", help="path of the kvsidecar executable (default: this one)")
-    p.add_argument("--config-path", help="config path the unit passes (default: --config)")
-    p.add_argument("--llama-server", default="/usr/local/bin/llama-server")
-    p.add_argument("--model", default="/var/lib/llama/models/model.gguf")
+    add_install_systemd(sub)  # cli_systemd
     p = _add(
         sub, "wait-ready", cmd_wait_ready, "wait until the daemon answers (systemd readiness)", json_=False
     )
@@ -371,8 +307,26 @@ def _add_install_commands(sub: _Commands) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    try:
+        code = _run(args)
+        sys.stdout.flush()  # a reader that went away shows here, where it is handled, not at exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (`| head`): stop quietly, as Python's docs advise for CLIs. Point
+    stdout at /dev/null so that the interpreter's own flush at exit cannot fail a second time."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return EXIT_BROKEN_PIPE
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         code: int = args.func(args)
         return code

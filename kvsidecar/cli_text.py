@@ -24,13 +24,31 @@ def human_bytes(n: float) -> str:
     return str(n)
 
 
+def persistence_state(srv: dict[str, Any], enabled: bool = True) -> str:
+    """What persistence can do on this server now, from its real state (not the breaker's alone)."""
+    if not enabled:
+        return "persistence OFF (enabled: false)"
+    if not srv["available"]:
+        error = f": {srv['last_error']}" if srv.get("last_error") else ""
+        return f"persistence UNAVAILABLE (server down{error})"
+    if srv.get("slots_endpoint") is False:
+        return "persistence UNAVAILABLE (llama-server runs without --slots)"
+    if srv["persistence"] != "healthy":
+        return f"persistence {srv['persistence'].upper()} (circuit breaker)"
+    if srv.get("warnings"):
+        return f"persistence MISCONFIGURED ({srv['warnings'][0]['code']}, see the warning)"
+    return "persistence healthy"
+
+
 def render_status(s: dict[str, Any]) -> str:
     out = []
     for srv in s["servers"]:
         out.append(
             f"server {srv['name']} ({srv['endpoint']}): {'up' if srv['available'] else 'DOWN'}, "
-            f"persistence {srv['persistence']}, mode {srv['mode']}"
+            f"{persistence_state(srv, s.get('enabled', True))}, mode {srv['mode']}"
         )
+        for w in srv.get("warnings", []):
+            out.append(f"  warning {w['code']}: {w['message']}\n    fix: {w['fix']}")
         out.append(
             table(
                 [[sl["id"], sl["state"], sl["owner"], sl["tokens"]] for sl in srv["slots"]],
@@ -73,6 +91,36 @@ def render_sessions(views: list[dict[str, Any]]) -> str:
         if rows
         else "no sessions"
     )
+
+
+def render_show(data: dict[str, Any]) -> str:
+    """`kvsidecar show S`: each (provider, model) of the session, then its snapshot generations."""
+    out = []
+    for v in data["session"]:
+        slot = v.get("resident_slot")
+        out.append(
+            f"session {v['session']} ({v['provider']}/{v['model']}) on {v['server']}: {v['state']}"
+            + (f", resident in slot {slot}" if slot is not None else "")
+            + f"; revision {v['dirty_revision']} (saved {v['saved_revision']})"
+        )
+        if v.get("last_error"):
+            out.append(f"  last error: {v['last_error']}")
+        snap = v.get("snapshot")
+        if not snap:
+            out.append("  no snapshot")
+            continue
+        rows = [
+            [
+                g + (" *" if g == snap["current"] else ""),
+                r["tokens"],
+                human_bytes(r["bytes"]),
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["saved_at"])) if r["saved_at"] else "",
+                r["invalid_reason"] or "valid",
+            ]
+            for g, r in snap["generations"].items()
+        ]
+        out.append(table(rows, ["generation", "tokens", "bytes", "saved", "state"]))
+    return "\n".join(out)
 
 
 def render_gc(r: dict[str, Any]) -> str:

@@ -1,77 +1,53 @@
-"""A small async client for the hook API, for harnesses and tests.
+"""The Python clients of the hook API, for harnesses and tests: `KvSidecar` (blocking) and `AsyncKvSidecar`.
 
-    async with KvSidecarClient("http://127.0.0.1:8377", token=...) as kv:
-        async with kv.acquire("session-1", provider="local", model="qwen") as lease:
-            reply = await call_llama(id_slot=lease.slot_id, ...)
-            lease.report(prompt_tokens=reply.prompt_n, cached_tokens=reply.cache_n)
+Like the openai SDK's `OpenAI` / `AsyncOpenAI`, the two have the same methods, arguments, results and
+errors; one module (kvsidecar/client_wire.py) builds every request and reads every answer, and each class
+only sends them.
+
+    with KvSidecar("http://127.0.0.1:8377", token=token) as kv:
+        with kv.acquire("session-1", provider="local", model="qwen") as lease:
+            timings = post_completion(lease.base_url, prompt, id_slot=lease.slot_id)["timings"]
+            lease.report(prompt_tokens=timings["prompt_n"], cached_tokens=timings["cache_n"])
         # released with status "ok" here, or "aborted" if the block raised
 
-Errors from the daemon arrive as `SidecarError` with the daemon's stable `code`.
+`AsyncKvSidecar` is the same with `async with` / `await`. `KvSidecarClient` is its earlier name and stays.
+Errors from the daemon arrive as `SidecarError` with the daemon's stable `code`. examples/ has runnable
+harness loops.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
+from kvsidecar import client_wire as wire
+from kvsidecar.client_sync import KvSidecar
+from kvsidecar.client_wire import Lease, SidecarError
 
-class SidecarError(Exception):
-    def __init__(self, *, status: int, code: str, message: str, hint: str = "") -> None:
-        super().__init__(f"{code}: {message}")
-        self.status, self.code, self.message, self.hint = status, code, message, hint
-
-
-@dataclass(kw_only=True)
-class Lease:
-    outcome: str
-    lease_id: str | None
-    server: str | None = None
-    base_url: str | None = None
-    slot_id: int | None = None
-    restored_tokens: int | None = None
-    restore_ms: float | None = None
-    evicted: str | None = None
-    reason: str | None = None
-    actions: list[str] = field(default_factory=list)
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    prompt_ms: float | None = None
-    release_result: dict[str, Any] | None = None
-
-    def report(
-        self,
-        *,
-        prompt_tokens: int | None = None,
-        cached_tokens: int | None = None,
-        prompt_ms: float | None = None,
-    ) -> None:
-        """The engine's own numbers (timings.prompt_n, timings.cache_n, timings.prompt_ms), sent with the
-        release: the reuse check after a restore, and the cost model's prefill speed."""
-        self.prompt_tokens, self.cached_tokens, self.prompt_ms = prompt_tokens, cached_tokens, prompt_ms
+__all__ = ["AsyncKvSidecar", "KvSidecar", "KvSidecarClient", "Lease", "SidecarError"]
+T = TypeVar("T")
 
 
-class KvSidecarClient:
+class AsyncKvSidecar:
     def __init__(
         self,
-        base_url: str = "http://127.0.0.1:8377",
+        base_url: str = wire.DEFAULT_URL,
         *,
         token: str | None = None,
         uds: str | None = None,
-        timeout_s: float = 330.0,
+        timeout_s: float = wire.DEFAULT_TIMEOUT_S,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
         if transport is None and uds is not None:
             transport = httpx.AsyncHTTPTransport(uds=uds)
         self._http = httpx.AsyncClient(
-            base_url=base_url, headers=headers, timeout=timeout_s, transport=transport
+            base_url=base_url, headers=wire.headers(token), timeout=timeout_s, transport=transport
         )
 
-    async def __aenter__(self) -> KvSidecarClient:
+    async def __aenter__(self) -> AsyncKvSidecar:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -80,21 +56,13 @@ class KvSidecarClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        response = await self._http.request(method, path, json=body)
-        try:
-            data = response.json()
-        except ValueError:
-            data = None
-        if response.status_code >= 400:
-            err = data.get("error", {}) if isinstance(data, dict) else {}
-            raise SidecarError(
-                status=response.status_code,
-                code=str(err.get("code", "KV_HTTP_ERROR")),
-                message=str(err.get("message", response.text[:200])),
-                hint=str(err.get("hint", "")),
-            )
-        return data
+    async def _send(self, call: wire.Call[T]) -> T:
+        response = await self._http.request(call.method, call.path, json=call.body)
+        return call.parse(response)
+
+    async def _call(self, method: wire.Method, path: str, body: dict[str, Any] | None = None) -> Any:
+        """A route's JSON answer as is (kept for tools written against the first client)."""
+        return await self._send(wire.raw(method, path, body))
 
     async def acquire_lease(
         self,
@@ -105,15 +73,9 @@ class KvSidecarClient:
         purpose: str | None = None,
         seq: int | None = None,
     ) -> Lease:
-        body: dict[str, Any] = {"provider": provider, "model": model}
-        if purpose is not None:
-            body["purpose"] = purpose
-        if seq is not None:
-            body["seq"] = seq
-        path = "/v1/acquire" if session_id is None else f"/v1/sessions/{_quote(session_id)}/acquire"
-        data = await self._call("POST", path, body)
-        known = {k: v for k, v in data.items() if k in Lease.__dataclass_fields__}
-        return Lease(**known)
+        return await self._send(
+            wire.acquire_lease(session_id, provider=provider, model=model, purpose=purpose, seq=seq)
+        )
 
     async def release(
         self,
@@ -124,15 +86,15 @@ class KvSidecarClient:
         cached_tokens: int | None = None,
         prompt_ms: float | None = None,
     ) -> dict[str, Any]:
-        body: dict[str, Any] = {"status": status}
-        if prompt_ms is not None:
-            body["prompt_ms"] = prompt_ms
-        if prompt_tokens is not None:
-            body["prompt_tokens"] = prompt_tokens
-        if cached_tokens is not None:
-            body["cached_tokens"] = cached_tokens
-        result: dict[str, Any] = await self._call("POST", f"/v1/leases/{_quote(lease_id)}/release", body)
-        return result
+        return await self._send(
+            wire.release(
+                lease_id,
+                status=status,
+                prompt_tokens=prompt_tokens,
+                cached_tokens=cached_tokens,
+                prompt_ms=prompt_ms,
+            )
+        )
 
     @contextlib.asynccontextmanager
     async def acquire(
@@ -144,53 +106,36 @@ class KvSidecarClient:
         purpose: str | None = None,
         seq: int | None = None,
     ) -> AsyncIterator[Lease]:
+        """A lease for the block: released "ok" with `lease.report()`'s numbers, or "aborted" if it raised."""
         lease = await self.acquire_lease(session_id, provider=provider, model=model, purpose=purpose, seq=seq)
-        status = "aborted"
+        completed = False
         try:
             yield lease
-            status = "ok"
+            completed = True
         finally:
-            if lease.lease_id is not None:
-                lease.release_result = await self.release(
-                    lease.lease_id,
-                    status=status,
-                    prompt_tokens=lease.prompt_tokens,
-                    cached_tokens=lease.cached_tokens,
-                    prompt_ms=lease.prompt_ms,
-                )
+            if (call := wire.release_of(lease, completed=completed)) is not None:
+                lease.release_result = await self._send(call)
 
     async def event(self, session_id: str, type_: str, *, seq: int | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"type": type_} | ({"seq": seq} if seq is not None else {})
-        result: dict[str, Any] = await self._call("POST", f"/v1/sessions/{_quote(session_id)}/events", body)
-        return result
+        return await self._send(wire.event(session_id, type_, seq=seq))
 
     async def save(self, session_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("POST", f"/v1/sessions/{_quote(session_id)}/save")
-        return result
+        return await self._send(wire.save(session_id))
 
     async def restore(self, session_id: str, *, provider: str, model: str) -> dict[str, Any]:
-        body = {"provider": provider, "model": model}
-        result: dict[str, Any] = await self._call("POST", f"/v1/sessions/{_quote(session_id)}/restore", body)
-        return result
+        return await self._send(wire.restore(session_id, provider=provider, model=model))
 
     async def invalidate(self, session_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("POST", f"/v1/sessions/{_quote(session_id)}/invalidate")
-        return result
+        return await self._send(wire.invalidate(session_id))
 
     async def purge(self, session_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("DELETE", f"/v1/sessions/{_quote(session_id)}")
-        return result
+        return await self._send(wire.purge(session_id))
 
     async def sessions(self) -> list[dict[str, Any]]:
-        data = await self._call("GET", "/v1/sessions")
-        return list(data["sessions"])
+        return await self._send(wire.sessions())
 
     async def status(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call("GET", "/v1/status")
-        return result
+        return await self._send(wire.status())
 
 
-def _quote(part: str) -> str:
-    from urllib.parse import quote
-
-    return quote(part, safe="")
+KvSidecarClient = AsyncKvSidecar  # the async client's first name, kept for existing harnesses

@@ -1,31 +1,41 @@
 """Configuration: one YAML file, validated by pydantic into frozen, keyword-only objects.
 
 Defaults live here and nowhere else. `load_config()` is the only entry point; any problem with the file
-raises `ConfigError` with one line naming the key (`servers.local.base_url: ...`), never a traceback.
+raises `ConfigError` (`ConfigInvalid` carries every problem, each starting with its dotted key:
+`servers.local.base_url: ...`), never a traceback. Checks that span keys (routes, the proxy's wiring, a
+listener beyond loopback) are part of the model, so `config check` refuses what `serve` would.
 Environment overrides (for the few things operators change): `KVSIDECAR_CONFIG` (the file),
 `KVSIDECAR_TOKEN_FILE` (api.token_file), `KVSIDECAR_STATE_DIR` (state_dir).
 """
 
 from __future__ import annotations
 
+import copy
+import ipaddress
 import os
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ByteSize,
     ConfigDict,
     Field,
+    GetJsonSchemaHandler,
     PrivateAttr,
     ValidationError,
     model_validator,
 )
+from pydantic.json_schema import JsonSchemaValue
 
+from kvsidecar.config_errors import ConfigInvalid, config_problems
 from kvsidecar.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = Path("/etc/kvsidecar/config.yaml")
@@ -53,13 +63,34 @@ def size_spelling(value: object) -> object:
 
 
 def expand_path(value: object) -> object:
-    if isinstance(value, str):
-        return Path(os.path.expandvars(os.path.expanduser(value)))
+    if isinstance(value, str | Path):
+        return Path(os.path.expandvars(os.path.expanduser(str(value))))
     return value
 
 
-Bytes = Annotated[ByteSize, BeforeValidator(size_spelling), Field(ge=0)]
+# The JSON Schema of a size: what size_spelling() takes, as an ECMA-262 pattern (for editors).
+_SIZE_SCHEMA: JsonSchemaValue = {
+    "anyOf": [
+        {"type": "integer", "minimum": 0},
+        {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*([KMGTPEkmgtpe][Ii]?[Bb]?|[Bb])?\s*$"},
+    ]
+}
+
+
+class _SizeJsonSchema:
+    """Annotated metadata: the schema above, a fresh copy each time (pydantic 2.6 edits what it is given)."""
+
+    def __get_pydantic_json_schema__(self, _core: Any, _handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return copy.deepcopy(_SIZE_SCHEMA)
+
+
+Bytes = Annotated[ByteSize, BeforeValidator(size_spelling), Field(ge=0), _SizeJsonSchema()]
 PathValue = Annotated[Path, BeforeValidator(expand_path)]
+
+
+def _home_path(text: str) -> Any:
+    """A default under ~: expanded when a config is built, shown as written in the JSON Schema."""
+    return Field(default=Path(text), validate_default=True)
 
 
 class _Model(BaseModel):
@@ -71,12 +102,21 @@ class Mode(StrEnum):
     MANAGED_SLOTS = "managed-slots"
 
 
+def _http_url(value: str) -> str:
+    if not re.match(r"^https?://[^/\s]+", value):
+        raise ValueError(f"must be an http(s) URL, got {value!r}")
+    return value
+
+
+BaseUrl = Annotated[str, AfterValidator(_http_url)]
+
+
 class ServerConfig(_Model):
     """One llama-server and the directory it saves slots into (its --slot-save-path)."""
 
-    base_url: str = "http://127.0.0.1:8080"
+    base_url: BaseUrl = "http://127.0.0.1:8080"
     api_key_file: PathValue | None = None
-    snapshot_dir: PathValue = Path("~/.local/state/kvsidecar/snapshots").expanduser()
+    snapshot_dir: PathValue = _home_path("~/.local/state/kvsidecar/snapshots")
     runtime_key: str | None = None
     mode: Mode = Mode.SINGLE_SLOT
     slot_id: int = Field(default=0, ge=0)
@@ -92,12 +132,6 @@ class ServerConfig(_Model):
     # flag shows (LLAMA_ARG_* settings, a model replaced in place, a remote server's command line).
     # Turn off only for an engine whose KV is not bit-reproducible (some GPU backends).
     runtime_canary: bool = True
-
-    @model_validator(mode="after")
-    def _url(self) -> ServerConfig:
-        if not re.match(r"^https?://[^/\s]+", self.base_url):
-            raise ValueError(f"base_url must be an http(s) URL, got {self.base_url!r}")
-        return self
 
 
 class CheckpointConfig(_Model):
@@ -143,10 +177,30 @@ class RetentionConfig(_Model):
     low_watermark: float = Field(default=0.9, gt=0, le=1)
 
 
+def _listen_address(value: str) -> str:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"must be HOST:PORT, got {value!r}")
+    return value
+
+
+ListenAddress = Annotated[str, AfterValidator(_listen_address)]
+
+
+def is_loopback(host: str) -> bool:
+    """A loopback host name or address (no port, no brackets)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class _Listener(_Model):
     """A config section with a `listen: HOST:PORT` address, and the limits every connection to it has."""
 
-    listen: str
+    listen: ListenAddress
     # Open connections at most; at the cap, the oldest one still waiting for a request head is dropped
     # to make room, and when every one is busy with a request the newcomer is refused.
     max_connections: int = Field(default=256, ge=1, le=100_000)
@@ -156,13 +210,6 @@ class _Listener(_Model):
     body_timeout_s: float = Field(default=30.0, gt=0)
     # A client that does not take the answer (nothing drained) for this long is cut.
     client_stall_s: float = Field(default=60.0, gt=0)
-
-    @model_validator(mode="after")
-    def _listen(self) -> _Listener:
-        host, _, port = self.listen.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"listen must be HOST:PORT, got {self.listen!r}")
-        return self
 
     @property
     def host(self) -> str:
@@ -174,7 +221,7 @@ class _Listener(_Model):
 
 
 class ApiConfig(_Listener):
-    listen: str = "127.0.0.1:8377"
+    listen: ListenAddress = "127.0.0.1:8377"
     unix_socket: PathValue | None = None
     token_file: PathValue | None = None
     allow_public_bind: bool = False
@@ -186,11 +233,14 @@ class ProxyConfig(_Listener):
     """The OpenAI-compatible proxy listener (llama-server's own API, session-pinned)."""
 
     enabled: bool = False
-    listen: str = "127.0.0.1:8378"
+    listen: ListenAddress = "127.0.0.1:8378"
     server: str = "local"  # the llama-server it forwards to
     provider: str | None = None  # provider name used for acquire (default: the first routed to `server`)
     session_header: str = "X-Session-Id"
     session_field: str | None = None  # or a body field, e.g. "user" or "prompt_cache_key"
+    # What names a session's KV: the session id and the request's `model` string (two model strings are two
+    # sessions), or the session id alone (for clients that vary `model`; llama-server runs its own model).
+    identity: Literal["session+model", "session"] = "session+model"
     max_body_bytes: Bytes = ByteSize(32 * 2**20)
     body_timeout_s: float = Field(default=120.0, gt=0)  # bodies here run to megabytes
     upstream_timeout_s: float = Field(default=600.0, gt=0)
@@ -206,7 +256,7 @@ class Config(_Model):
     servers: dict[str, ServerConfig] = Field(default_factory=lambda: {"local": ServerConfig()})
     # provider -> server name. Providers not listed here pass through untouched (spec §37).
     routes: dict[str, str] = Field(default_factory=lambda: {"local": "local"})
-    state_dir: PathValue = Path("~/.local/state/kvsidecar/state").expanduser()
+    state_dir: PathValue = _home_path("~/.local/state/kvsidecar/state")
     checkpoint: CheckpointConfig = CheckpointConfig()
     restore: RestoreConfig = RestoreConfig()
     failure: FailureConfig = FailureConfig()
@@ -218,38 +268,65 @@ class Config(_Model):
     _ignored: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="after")
-    def _routes(self) -> Config:
+    def _consistent(self) -> Config:
+        # Every problem at once, one per line, each starting with its dotted key (split by _problems()).
+        problems = self.cross_key_problems()
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def cross_key_problems(self) -> list[str]:
+        """What no single key shows: routes to unknown servers, the proxy's wiring, and every listener
+        `serve` would refuse to open (checked here so that `config check` fails exactly as `serve` does)."""
+        out: list[str] = []
         if not self.servers:
-            raise ValueError("servers: at least one server is required")
-        for provider, server in self.routes.items():
-            if server not in self.servers:
-                raise ValueError(
-                    f"routes.{provider}: unknown server {server!r} (known: {sorted(self.servers)})"
-                )
-        if self.proxy.enabled and self.proxy.server not in self.servers:
-            raise ValueError(
-                f"proxy.server: unknown server {self.proxy.server!r} (known: {sorted(self.servers)})"
-            )
-        chosen = self.proxy.provider
-        if self.proxy.enabled and chosen is not None and self.routes.get(chosen) != self.proxy.server:
+            out.append("servers: at least one server is required")
+        known = sorted(self.servers)
+        out += [
+            f"routes.{provider}: unknown server {server!r} (known: {known})"
+            for provider, server in self.routes.items()
+            if server not in self.servers
+        ]
+        out += self.bind_problems("api")
+        if self.proxy.enabled:
+            out += self._proxy_problems(known) + self.bind_problems("proxy")
+        return out
+
+    def _proxy_problems(self, known: list[str]) -> list[str]:
+        proxy = self.proxy
+        if proxy.server not in self.servers:
+            return [f"proxy.server: unknown server {proxy.server!r} (known: {known})"]
+        out = []
+        chosen = proxy.provider
+        if chosen is not None and self.routes.get(chosen) != proxy.server:
             # its leases would name slots of another server than the one the proxy forwards to
-            raise ValueError(
-                f"proxy.provider: {chosen!r} must be routed to proxy.server {self.proxy.server!r} "
+            out.append(
+                f"proxy.provider: {chosen!r} must be routed to proxy.server {proxy.server!r} "
                 f"(routes.{chosen}: {self.routes.get(chosen)!r})"
             )
-        if (
-            self.proxy.enabled
-            and self.servers[self.proxy.server].api_key_file is not None
-            and self.api.token_file is None
-        ):
+        if self.servers[proxy.server].api_key_file is not None and self.api.token_file is None:
             # The proxy adds llama-server's key to what it forwards: without a token of our own, any
             # local process would get llama-server's protection switched off for it.
-            raise ValueError(
+            out.append(
                 f"api.token_file: required when the proxy forwards to a server with an api_key_file "
-                f"(servers.{self.proxy.server}.api_key_file); set api.token_file (or KVSIDECAR_TOKEN_FILE) "
+                f"(servers.{proxy.server}.api_key_file); set api.token_file (or KVSIDECAR_TOKEN_FILE) "
                 "so that only clients holding kvsidecar's token get llama-server's key added"
             )
-        return self
+        return out
+
+    def bind_problems(self, section: Literal["api", "proxy"]) -> list[str]:
+        """Why `serve` would refuse to open that listener (beyond loopback without the flag and a token)."""
+        listener: _Listener = self.api if section == "api" else self.proxy
+        if is_loopback(listener.host):
+            return []
+        if not self.api.allow_public_bind:
+            return [
+                f"{section}.listen: refusing to listen on non-loopback {listener.host}; set "
+                "api.allow_public_bind: true (and api.token_file) if you really mean it"
+            ]
+        if self.api.token_file is None:
+            return [f"api.token_file: a token is required when {section}.listen is beyond loopback"]
+        return []
 
     def proxy_provider(self) -> str | None:
         """The provider name proxied requests are acquired under."""
@@ -295,49 +372,76 @@ def _strip_removed(data: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...
     return out, tuple(found)
 
 
-def _format_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"])
-    msg = err["msg"].removeprefix("Value error, ")
-    if not loc:  # a model-level check already names its key at the start of the message
-        loc, _, msg = msg.partition(": ") if ": " in msg else ("(top level)", "", msg)
-    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return f"{loc}: {msg}{more}"
-
-
 def config_from_mapping(data: dict[str, Any]) -> Config:
     data, ignored = _strip_removed(data)
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc), hint="Fix the key named above in the config file.") from None
+        raise ConfigInvalid(
+            config_problems(exc, Config), hint="Fix the keys named above in the config file."
+        ) from None
     config._ignored = ignored
     return config
 
 
-def load_config(path: Path | str | None = None, *, env: dict[str, str] | None = None) -> Config:
-    """Read, override from the environment, validate. `path=None` means $KVSIDECAR_CONFIG or the default."""
+def config_search_paths(env: Mapping[str, str]) -> tuple[Path, ...]:
+    """Where a config file is looked for when none is named (-c, $KVSIDECAR_CONFIG): the user's
+    ($XDG_CONFIG_HOME or ~/.config)/kvsidecar/config.yaml, then /etc/kvsidecar/config.yaml."""
+    base = env.get("XDG_CONFIG_HOME") or (f"{env['HOME']}/.config" if env.get("HOME") else "")
+    user = (Path(base) / "kvsidecar" / "config.yaml",) if base else ()
+    return (*user, DEFAULT_CONFIG_PATH)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigSource:
+    """Which file a config comes from: `path` None means none was found and the defaults apply."""
+
+    path: Path | None
+    named: bool  # given with -c or $KVSIDECAR_CONFIG (then it must exist)
+    searched: tuple[Path, ...] = ()  # the places looked at when none was named
+
+
+def find_config(path: Path | str | None = None, *, env: Mapping[str, str] | None = None) -> ConfigSource:
     environ = os.environ if env is None else env
-    chosen = Path(path) if path is not None else Path(environ.get("KVSIDECAR_CONFIG", DEFAULT_CONFIG_PATH))
-    data: dict[str, Any] = {}
-    if chosen.exists():
-        try:
-            loaded = yaml.safe_load(chosen.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"{chosen}: not valid YAML{where}") from None
-        except OSError as exc:
-            raise ConfigError(f"{chosen}: cannot read ({exc.strerror})") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{chosen}: the top level must be a mapping of keys")
-        data = loaded
-    elif path is not None or "KVSIDECAR_CONFIG" in environ:
-        raise ConfigError(f"{chosen}: no such config file")
+    if path is not None or environ.get("KVSIDECAR_CONFIG"):
+        return ConfigSource(path=Path(path or environ["KVSIDECAR_CONFIG"]), named=True)
+    searched = config_search_paths(environ)
+    return ConfigSource(path=next((p for p in searched if p.exists()), None), named=False, searched=searched)
+
+
+def _read_file(chosen: Path) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(chosen.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{chosen}: no such config file") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{chosen}: not valid YAML{where}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{chosen}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{chosen}: the top level must be a mapping of keys")
+    return loaded
+
+
+def read_config(
+    path: Path | str | None = None, *, env: Mapping[str, str] | None = None
+) -> tuple[Config, ConfigSource]:
+    """The config and where it came from (`config check` says when the built-in defaults were used)."""
+    environ = os.environ if env is None else env
+    source = find_config(path, env=environ)
+    data = _read_file(source.path) if source.path is not None else {}
     if token_file := environ.get("KVSIDECAR_TOKEN_FILE"):
         data = {**data, "api": {**(data.get("api") or {}), "token_file": token_file}}
     if state_dir := environ.get("KVSIDECAR_STATE_DIR"):
         data = {**data, "state_dir": state_dir}
-    return config_from_mapping(data)
+    return config_from_mapping(data), source
+
+
+def load_config(path: Path | str | None = None, *, env: Mapping[str, str] | None = None) -> Config:
+    """Read, override from the environment, validate. `path=None`: $KVSIDECAR_CONFIG, else the first of
+    `config_search_paths()` that exists, else the defaults."""
+    return read_config(path, env=env)[0]

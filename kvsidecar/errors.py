@@ -31,6 +31,9 @@
     ├── ShuttingDown                KV_SHUTTING_DOWN         SIGTERM while a request waited
     ├── SlotStateInvalid            KV_SLOT_STATE_INVALID
     ├── ConfigError                 KV_CONFIG_INVALID
+    ├── ConfigExists                KV_CONFIG_EXISTS         `config init` would overwrite a file
+    ├── ListenInUse                 KV_LISTEN_IN_USE         `serve`: a listen address is taken
+    ├── UnitPathUnsafe              KV_UNIT_PATH_UNSAFE      `install-systemd`: a path the units hide
     ├── StateLocked                 KV_STATE_LOCKED          another daemon holds the state_dir
     └── InvariantViolation          KV_INVARIANT
 
@@ -209,6 +212,25 @@ class ConfigError(KvError):
     code = "KV_CONFIG_INVALID"
 
 
+class ConfigExists(KvError):
+    code = "KV_CONFIG_EXISTS"
+    default_hint = "Pass --force to replace it, or --path to write the defaults elsewhere."
+
+
+class ListenInUse(KvError):
+    """`serve`: another process already listens on a configured address (EADDRINUSE)."""
+
+    code = "KV_LISTEN_IN_USE"
+    default_hint = "Stop what listens there (ss -ltnp shows it), or set another port in the config."
+
+
+class UnitPathUnsafe(KvError):
+    """`install-systemd`: a configured path the units' sandbox would hide (PrivateTmp=, ProtectHome=)."""
+
+    code = "KV_UNIT_PATH_UNSAFE"
+    default_hint = "Use paths under /var/lib (and binaries under /usr/local), or pass --force."
+
+
 class StateLocked(KvError):
     """Another daemon holds the state directory's lock (or its lock file cannot be used)."""
 
@@ -247,6 +269,9 @@ HTTP_STATUS: dict[str, int] = {
     ShuttingDown.code: 503,
     SlotStateInvalid.code: 409,
     ConfigError.code: 500,
+    ConfigExists.code: 409,
+    ListenInUse.code: 500,
+    UnitPathUnsafe.code: 500,
     StateLocked.code: 503,
     InvariantViolation.code: 500,
 }

@@ -14,8 +14,8 @@ httptools protocol with four limits per listener (`api.*` / `proxy.*` in the con
   leave, which in the proxy closes the upstream request and releases the lease.
 - `max_connections`: at the cap, a connection that is only waiting for a request head is dropped to make
   room (half-sent heads first, oldest first); when every connection is busy with a request the newcomer is
-  refused (503 `KV_TOO_MANY_CONNECTIONS`, closed). So a flood of half-sent requests cannot keep /healthz
-  (or anything else) out, and the listener never holds more descriptors than its cap.
+  refused (503 `KV_TOO_MANY_CONNECTIONS` with `Retry-After`, closed). So a flood of half-sent requests
+  cannot keep /healthz (or anything else) out, and the listener never holds more descriptors than its cap.
 
 Every limit is a timer armed and disarmed on events the protocol sees anyway (two `call_later` per
 request), so the hook fast path pays a few microseconds (measured: bench_hooks p50 +0.01-0.02 ms).
@@ -39,19 +39,26 @@ from kvsidecar.logs import event
 log = logging.getLogger("kvsidecar.listener")
 
 
-def _canned(error: KvError) -> bytes:
-    """A whole `connection: close` error answer, written by the protocol itself (no app involved)."""
-    body = json.dumps({"error": error.to_dict()}).encode()
+def _canned(error: KvError, shape: Callable[[KvError], Any] | None = None) -> bytes:
+    """A whole `connection: close` error answer, written by the protocol itself (no app involved), in the
+    listener's error shape (default: the hook API's); a 503 says when to try again (`retry-after`, seconds,
+    as the apps' own 503s do)."""
+    body = json.dumps(shape(error) if shape is not None else {"error": error.to_dict()}).encode()
     status = http_status(error)
+    retry = "retry-after: 1\r\n" if status == HTTPStatus.SERVICE_UNAVAILABLE else ""
     head = (
         f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
-        f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+        f"{retry}connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
 
 
-_REFUSED = _canned(TooManyConnections("too many connections, every one busy with a request"))
-_TIMED_OUT = _canned(RequestTimeout("the request head did not arrive in time"))
+def _refused() -> KvError:
+    return TooManyConnections("too many connections, every one busy with a request")
+
+
+def _timed_out() -> KvError:
+    return RequestTimeout("the request head did not arrive in time")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,12 +85,19 @@ class ListenerState:
 
     name: str
     limits: Limits
+    shape: Callable[[KvError], Any] | None = None  # its error bodies (the proxy: OpenAI's), see _canned
     open: dict[LimitedHttpProtocol, None] = field(default_factory=dict)
     accepted: int = 0  # connections the listener took in, admitted or not
     evicted: int = 0
     refused: int = 0
     timed_out: int = 0
     stalled: int = 0
+    refused_answer: bytes = field(init=False, repr=False)
+    timed_out_answer: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.refused_answer = _canned(_refused(), self.shape)
+        self.timed_out_answer = _canned(_timed_out(), self.shape)
 
     def admit(self, conn: LimitedHttpProtocol) -> bool:
         self.accepted += 1
@@ -131,7 +145,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         if not self.listener.admit(self):
             event(log, logging.WARNING, "kv.listener.refused", listener=self.listener.name)
-            transport.write(_REFUSED)
+            transport.write(self.listener.refused_answer)
             transport.close()
             return
         self._counted = True
@@ -199,7 +213,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self.abort()  # close() would wait for a client that does not read
             return
         if self.head_begun:  # half a request: say why (into an empty buffer, so close() will not wait)
-            self.transport.write(_TIMED_OUT)
+            self.transport.write(self.listener.timed_out_answer)
         self.transport.close()
 
     def _body_timeout(self) -> None:

@@ -9,7 +9,8 @@ request, bench/bench_hooks.py measured p50 0.97 ms and 0.43 ms of daemon CPU per
 Every request takes the same steps, in this order, whatever the route:
 
 1. Host header (loopback listeners: DNS-rebinding guard) and bearer token, except on public routes;
-   a declared Content-Length over the cap: 413. Nothing is read before these pass.
+   once the app's lifespan shutdown has begun, 503 `KV_SHUTTING_DOWN` (with `Retry-After`), except on
+   public routes; a declared Content-Length over the cap: 413. Nothing is read before these pass.
 2. The body, up to `max_body_bytes` (413 beyond).
 3. The route: 404 `KV_NOT_FOUND`; a path served only for other methods: 405 `KV_METHOD_NOT_ALLOWED`
    with `Allow`. Paths are matched decoded and literally (`[^/]+` per parameter, no slash redirects).
@@ -18,14 +19,20 @@ Every request takes the same steps, in this order, whatever the route:
 5. Query parameters, then the JSON body, each validated by the route's pydantic model: 400
    `KV_BAD_REQUEST` naming the first offending field. Routes without a body model ignore the body.
 6. The handler. A `KvError` becomes its status and `{"error": {"code", "message", "hint"}}`
-   (`kvsidecar.errors.HTTP_STATUS`); any other exception is logged and answered 500 `KV_INVARIANT`.
+   (`kvsidecar.errors.HTTP_STATUS`); any other exception is logged and answered 500 `KV_INVARIANT`. A
+   handler cancelled under it (uvicorn cancels what is still running when its graceful-shutdown timeout
+   ends, e.g. an acquire waiting for a slot) is answered 503 `KV_SHUTTING_DOWN`, not a bare 500.
+
+The OpenAPI document (`kvsidecar.openapi`) is written from the same table and declares exactly these
+answers. There is no `/docs` or `/redoc`: FastAPI's pages load Swagger UI / ReDoc from a CDN, which an
+offline box cannot reach; `/openapi.json` is served (same auth) for any viewer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
-import inspect
 import ipaddress
 import json
 import logging
@@ -34,12 +41,10 @@ import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl
 
-from fastapi import FastAPI, Query
 from fastapi.encoders import jsonable_encoder
-from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
@@ -56,6 +61,7 @@ from kvsidecar.errors import (
     Unauthorized,
     http_status,
 )
+from kvsidecar.openapi import document
 
 log = logging.getLogger("kvsidecar.api")
 M = TypeVar("M", bound=BaseModel)
@@ -156,6 +162,7 @@ class Param:
 
     convert: Callable[[str], str]
     schema: Any  # Annotated[str, fastapi.Path(...)], for the document only
+    errors: tuple[type[KvError], ...] = ()  # what `convert` raises, for the document
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,16 +198,11 @@ class Route:
     query: type[BaseModel] | None = None
     public: bool = False  # no bearer token on this path (liveness); only for a path without parameters
     in_schema: bool = True
-
-
-class ErrorDetail(BaseModel):
-    code: str
-    message: str
-    hint: str
-
-
-class ErrorBody(BaseModel):
-    error: ErrorDetail
+    # For the document only (never used to build or check an answer): the 200 answer's model, its media
+    # type, and the errors the handler raises beyond those every request can meet (kvsidecar.openapi).
+    returns: type[BaseModel] | None = None
+    media_type: str = "application/json"
+    errors: tuple[type[KvError], ...] = ()
 
 
 _PARAM = re.compile(r"\{(\w+)\}")
@@ -224,6 +226,7 @@ class Router:
     ) -> None:
         self.params = dict(params)
         self.title, self.version, self.description = title, version, description
+        self.stopping = False  # the lifespan shutdown has begun: non-public routes answer 503
         self.routes = [*routes, *self._doc_routes()]
         self.expected = f"Bearer {token}".encode() if token is not None else None
         self.check_host = check_host
@@ -283,6 +286,8 @@ class Router:
         headers = dict(scope.get("headers", []))
         public = scope["path"] in self._public  # by path: any method there, answered or 405, needs no token
         refusal = refuse(scope, headers, expected=self.expected, check_host=self.check_host, exempt=public)
+        if refusal is None and self.stopping and not public:
+            refusal = ShuttingDown("kvsidecar is shutting down")
         if refusal is None:
             length = headers.get(b"content-length", b"")
             if length.isdigit() and int(length) > self.max_bytes:
@@ -315,6 +320,9 @@ class Router:
             return result if isinstance(result, Response) else JsonResponse(result)
         except KvError as exc:
             return error_response(exc)
+        except asyncio.CancelledError:
+            # Only the server cancels a request's task, at shutdown: answer it (the task ends right after).
+            return error_response(ShuttingDown("kvsidecar is shutting down"))
         except Exception:
             log.exception("kv.api.unexpected_error route=%s", route.path)
             return error_response(
@@ -329,6 +337,7 @@ class Router:
                 await send({"type": "lifespan.startup.complete"})
                 started = True
                 await receive()  # lifespan.shutdown
+                self.stopping = True
         except BaseException:
             failed = "lifespan.shutdown.failed" if started else "lifespan.startup.failed"
             await send({"type": failed, "message": traceback.format_exc()})
@@ -337,65 +346,24 @@ class Router:
 
     # -- the document ------------------------------------------------------------------------------------
     def openapi(self) -> dict[str, Any]:
-        """The OpenAPI document of the table, written by FastAPI (once, on first use)."""
+        """The OpenAPI document of the table (`kvsidecar.openapi`), built once, on first use."""
         if self._openapi is None:
-            app = FastAPI(
+            self._openapi = document(
+                self.routes,
+                self.params,
                 title=self.title,
                 version=self.version,
                 description=self.description,
-                openapi_url=None,
-                docs_url=None,
-                redoc_url=None,
+                token=self.expected is not None,
+                check_host=self.check_host,
             )
-            errors = {"default": {"model": ErrorBody, "description": "an error (codes: docs/API.md)"}}
-            for route in self.routes:
-                if route.in_schema:
-                    app.add_api_route(
-                        route.path,
-                        self._describe(route),
-                        methods=[route.method],
-                        name=route.handler.__name__,
-                        description=inspect.getdoc(route.handler) or "",
-                        response_model=None,
-                        responses=errors,  # type: ignore[arg-type]
-                    )
-            self._openapi = app.openapi()
         return self._openapi
 
-    def _describe(self, route: Route) -> Callable[..., Awaitable[None]]:
-        """A stand-in endpoint whose signature tells FastAPI the route's parameters (never called)."""
-
-        async def endpoint(**_: Any) -> None:
-            raise AssertionError("documentation only")
-
-        kw = inspect.Parameter.KEYWORD_ONLY
-        params = [
-            inspect.Parameter(n, kw, annotation=self.params[n].schema) for n in _PARAM.findall(route.path)
-        ]
-        if route.query is not None:
-            params.append(inspect.Parameter("query", kw, annotation=Annotated[route.query, Query()]))
-        if route.body is not None:
-            params.append(inspect.Parameter("body", kw, annotation=route.body))
-        endpoint.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-        endpoint.__name__ = route.handler.__name__
-        return endpoint
-
     def _doc_routes(self) -> list[Route]:
-        title = self.title
-
         async def openapi_json(_: Call) -> Response:
             return JsonResponse(self.openapi())
 
-        async def docs(_: Call) -> Response:
-            return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{title} - Swagger UI")
-
-        async def redoc(_: Call) -> Response:
-            return get_redoc_html(openapi_url="/openapi.json", title=f"{title} - ReDoc")
-
-        return [
-            Route(method="GET", path=path, handler=handler, in_schema=False)
-            for path, handler in (("/openapi.json", openapi_json), ("/docs", docs), ("/redoc", redoc))
-        ]
+        return [Route(method="GET", path="/openapi.json", handler=openapi_json, in_schema=False)]
 
 
 def _query(model: type[M], scope: Scope) -> M:

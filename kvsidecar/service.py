@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import resource
 import signal
 import socket
-import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
-from types import FrameType
 from typing import Any, Literal
 
 import uvicorn
@@ -29,14 +28,17 @@ from kvsidecar.api import create_app, is_loopback
 from kvsidecar.backend.base import KvBackend
 from kvsidecar.backend.llamacpp import LlamaCppBackend
 from kvsidecar.config import Config, load_config
+from kvsidecar.config_errors import ConfigInvalid
 from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.coordinator.server import ProcessFinder
-from kvsidecar.errors import ConfigError
+from kvsidecar.errors import ConfigError, ListenInUse
+from kvsidecar.lifecycle import NotifyingServer, ReadyGate, Stopper, SystemdNotifier, stop_signals
 from kvsidecar.listener import Limits, ListenerState, protocol_for
 from kvsidecar.logs import event, reconfigure
 from kvsidecar.metrics import Metrics
 from kvsidecar.proxy import Proxy
 from kvsidecar.retention import Policy, RetentionJob
+from kvsidecar.savepath import SetupWarning, log_save_path_warnings
 from kvsidecar.statelock import StateLock
 from kvsidecar.store.fingerprint import FileDigestCache, find_llama_process
 from kvsidecar.store.snapshots import SnapshotStore
@@ -107,6 +109,7 @@ class Daemon:
         self.watcher: SnapshotWatcher | None = None
         self.token = read_token(config)
         self.listener: ListenerState | None = None  # the API listener's connection state, once serving
+        self.setup_warnings: list[SetupWarning] = []  # found at start (a snapshot_dir llama-server ignores)
 
     async def start(self) -> None:
         if self.state_lock is None:
@@ -135,6 +138,7 @@ class Daemon:
             temp_removed=report.temp_files_removed,
             ms=round(report.elapsed_ms, 1),
         )
+        self.setup_warnings = await asyncio.to_thread(self._check_save_paths)  # before the canary's save
         await self.coordinator.start()
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not on the main thread (tests)
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
@@ -193,11 +197,14 @@ class Daemon:
         self.store.verify_checksum = live.restore.verify_checksum
         reconfigure(live.logging.level, live.logging.format)
 
+    def _check_save_paths(self) -> list[SetupWarning]:
+        servers = self.coordinator.servers.values()
+        found = {s.name: s.process_finder(s.config.base_url) if s.process_finder else None for s in servers}
+        return log_save_path_warnings({s.name: (s.config, found[s.name]) for s in servers})
+
     async def _gc(self) -> None:
         try:
-            await self.retention.run()
-            self.metrics.snapshot_count.set(len(self.store.all()))
-            self.metrics.snapshot_bytes.set(sum(m.total_bytes for m in self.store.all()))
+            await self.retention.run()  # the snapshot gauges are read from the store at scrape time
         except Exception:  # a failed pass must not kill the timer; the next one retries
             log.exception("kv.gc.failed")
 
@@ -276,23 +283,22 @@ def _tcp_socket(what: str, host: str, port: int) -> socket.socket:
         tcp.bind((host, port))
     except OSError as exc:
         tcp.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ListenInUse(f"{what}: {host}:{port} is already in use ({exc.strerror})") from None
         raise ConfigError(f"{what}: cannot bind {host}:{port} ({exc.strerror})") from None
     return tcp
 
 
-def _check_bind(config: Config, what: str, host: str) -> None:
-    if not is_loopback(host) and not config.api.allow_public_bind:
-        raise ConfigError(
-            f"{what}: refusing to listen on non-loopback {host}; set api.allow_public_bind: true "
-            "(and a token) if you really mean it"
-        )
-    if not is_loopback(host) and config.api.token_file is None:
-        raise ConfigError("api.token_file: a token is required when listening beyond loopback")
+def _check_bind(config: Config, section: Literal["api", "proxy"]) -> None:
+    # The config model refuses these already (so `config check` fails as serve does); a Config built
+    # without validation (model_construct) still cannot open a public listener.
+    if problems := config.bind_problems(section):
+        raise ConfigInvalid(problems)
 
 
 def listen_sockets(config: Config) -> list[socket.socket]:
     api = config.api
-    _check_bind(config, "api.listen", api.host)
+    _check_bind(config, "api")
     socks = [_tcp_socket("api.listen", api.host, api.port)]
     if api.unix_socket is not None:
         path = Path(api.unix_socket)
@@ -310,8 +316,8 @@ def listen_sockets(config: Config) -> list[socket.socket]:
     return socks
 
 
-def _uvicorn(app: Any, *, lifespan: Literal["on", "off"], listener: ListenerState) -> uvicorn.Server:
-    return uvicorn.Server(
+def _uvicorn(app: Any, *, lifespan: Literal["on", "off"], listener: ListenerState) -> NotifyingServer:
+    return NotifyingServer(
         uvicorn.Config(
             app,
             http=protocol_for(listener),
@@ -348,17 +354,17 @@ def ensure_fd_budget(config: Config) -> int:
     return int(soft)
 
 
-def build_server(config: Config, **daemon_kwargs: Any) -> tuple[uvicorn.Server, list[socket.socket], Daemon]:
+def build_server(config: Config, **daemon_kwargs: Any) -> tuple[NotifyingServer, list[socket.socket], Daemon]:
     daemon = Daemon(config, **daemon_kwargs)
     socks = listen_sockets(config)
     daemon.listener = ListenerState("api", Limits.of(config.api))
     return _uvicorn(daemon.app(), lifespan="on", listener=daemon.listener), socks, daemon
 
 
-def build_proxy(config: Config, daemon: Daemon) -> tuple[uvicorn.Server, list[socket.socket], Proxy] | None:
+def build_proxy(config: Config, daemon: Daemon) -> tuple[NotifyingServer, list[socket.socket], Proxy] | None:
     if not config.proxy.enabled:
         return None
-    _check_bind(config, "proxy.listen", config.proxy.host)
+    _check_bind(config, "proxy")
     sock = _tcp_socket("proxy.listen", config.proxy.host, config.proxy.port)
     proxy = Proxy(daemon.coordinator, config, token=daemon.token, check_host=is_loopback(config.proxy.host))
     server = _uvicorn(proxy, lifespan="off", listener=proxy.listener)
@@ -377,49 +383,14 @@ async def serve(config: Config, **daemon_kwargs: Any) -> None:
         await _serve(config, fds, stopper, state_lock=lock, **daemon_kwargs)
 
 
-class Stopper:
-    """Stops the uvicorn servers on SIGTERM/SIGINT, including one that came before they were added."""
-
-    def __init__(self) -> None:
-        self.servers: list[uvicorn.Server] = []
-        self.stopped = False
-
-    def add(self, *servers: uvicorn.Server) -> None:
-        self.servers += servers
-        if self.stopped:
-            self.stop()
-
-    def stop(self, _sig: int | None = None, _frame: FrameType | None = None) -> None:
-        self.stopped = True
-        for server in self.servers:
-            server.should_exit = True
-
-
-@contextlib.contextmanager
-def stop_signals() -> Iterator[Stopper]:
-    """SIGTERM/SIGINT outside uvicorn's own handling of them.
-
-    While a server runs, uvicorn handles these signals itself; once it has stopped it restores the
-    previous handlers and raises the signal again. With the default handler, that would end the process
-    right there, before serve() closed the proxy and released the state directory's lock. This handler
-    takes that second delivery, so serve() finishes and the process exits 0. A signal that arrives
-    before the servers run stops them as soon as they start."""
-    stopper = Stopper()
-    if threading.current_thread() is not threading.main_thread():  # signal.signal() only works there
-        yield stopper
-        return
-    previous = {sig: signal.signal(sig, stopper.stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield stopper
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 async def _serve(config: Config, fds: int, stopper: Stopper, **daemon_kwargs: Any) -> None:
     server, socks, daemon = build_server(config, **daemon_kwargs)
     proxy = build_proxy(config, daemon)
-    stopper.add(server, *([proxy[0]] if proxy else []))
+    servers = [server, *([proxy[0]] if proxy else [])]
+    stopper.add(*servers)
+    gate = ReadyGate(SystemdNotifier(), expected=len(servers))  # Type=notify: READY=1, STOPPING=1
+    for each in servers:
+        each.gate = gate
     event(
         log,
         logging.INFO,

@@ -31,6 +31,10 @@ class UpstreamError(Exception):
     """The upstream did not give a usable answer (connect failure, reset, timeout, malformed response)."""
 
 
+class UpstreamTimeout(UpstreamError):
+    """The upstream sent nothing for the read timeout, and was not known to be working on the request."""
+
+
 class _NoResponse(UpstreamError):
     """The connection closed before a single response byte: the request was never answered."""
 
@@ -187,7 +191,7 @@ class _Conn(asyncio.Protocol):
                 busy = False
             if busy or self.news != seen or self.error is not None:
                 return  # the caller looks at the state and waits again
-        error = UpstreamError(f"llama-server sent nothing for {timeout:g} s")
+        error = UpstreamTimeout(f"llama-server sent nothing for {timeout:g} s")
         self._fail(error)
         raise error
 

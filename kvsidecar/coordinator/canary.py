@@ -55,7 +55,13 @@ async def measure_canary(backend: KvBackend, slot_id: int, snapshot_dir: Path) -
 
 def hash_canary_file(path: Path) -> str:
     """xxh3-128 of a regular file of ours, never read through a link, with a size cap."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:  # most often: llama-server saved it into another --slot-save-path
+        raise SaveFailed(
+            f"runtime canary file {path.name} is not in {path.parent} ({exc.strerror}): is that "
+            "directory llama-server's --slot-save-path?"
+        ) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_CANARY_BYTES:

@@ -88,6 +88,12 @@ class Coordinator:
         self.sessions = SessionTable(store)
         self.pool = SlotPool(is_dirty=self.sessions.is_dirty, monotonic=monotonic)
         self.leases = LeaseTable(on_expire=self._on_lease_timer)
+        self.telemetry.watch(
+            servers=self.servers,
+            leases=self.leases,
+            store=store,
+            quota_bytes=lambda: self.config.retention.max_total_bytes,
+        )
         self.guard = RuntimeGuard(sessions=self.sessions, pool=self.pool, telemetry=self.telemetry)
         self.restorer = Restorer(
             config=config,

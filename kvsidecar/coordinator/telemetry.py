@@ -8,19 +8,18 @@ page and `/metrics` can never disagree.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client.metrics_core import GaugeMetricFamily
-from prometheus_client.registry import Collector
-
 from kvsidecar.coordinator.costs import CostModel
+from kvsidecar.coordinator.gauges import CostCollector, StateCollector
+from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.state import Lease, Outcome, SessionRuntime
 from kvsidecar.errors import KvError
 from kvsidecar.logs import event
 from kvsidecar.metrics import Metrics
 from kvsidecar.store.naming import short_id
-from kvsidecar.store.snapshots import Candidate, Rejection
+from kvsidecar.store.snapshots import Candidate, Rejection, SnapshotStore
 
 log = logging.getLogger("kvsidecar.coordinator")
 
@@ -35,31 +34,22 @@ def _total(metric: Any, **labels: str) -> int:
     return int(total)
 
 
-class CostCollector(Collector):
-    """`kv_cost_estimate{server,figure}`, read from the cost model when /metrics is scraped (every figure
-    as learned now: nothing to keep in step)."""
-
-    def __init__(self, costs: CostModel) -> None:
-        self.costs = costs
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
-            "kv_cost_estimate",
-            "The learned cost model: save/restore bytes per second, prefill tokens per second, KV bytes "
-            "per token",
-            labels=["server", "figure"],
-        )
-        for server, figures in self.costs.view().items():
-            for figure, value in figures.items():
-                if value is not None:
-                    family.add_metric([server, figure], value)
-        yield family
-
-
 class Telemetry:
     def __init__(self, metrics: Metrics, costs: CostModel) -> None:
         self.metrics = metrics
         metrics.registry.register(CostCollector(costs))
+
+    def watch(
+        self,
+        *,
+        servers: dict[str, ServerRuntime],
+        leases: Iterable[Lease],
+        store: SnapshotStore,
+        quota_bytes: Callable[[], int | None],
+    ) -> None:
+        """Publish the state gauges (backends, breakers, leases, waiters, snapshots), read at scrape."""
+        collector = StateCollector(servers=servers, leases=leases, store=store, quota_bytes=quota_bytes)
+        self.metrics.registry.register(collector)
 
     def stats(self) -> dict[str, int]:
         m = self.metrics
@@ -202,7 +192,7 @@ class Telemetry:
     def restored(self, server: str, nbytes: int, ms: float) -> None:
         self.metrics.restore_hit.labels(server).inc()
         self.metrics.restore_bytes.labels(server).inc(nbytes)
-        self.metrics.restore_ms.labels(server).observe(ms)
+        self.metrics.restore_seconds.labels(server).observe(ms / 1000)
 
     def restore_failed(self, server: str, rt: SessionRuntime, exc: KvError) -> None:
         self.metrics.restore_failure.labels(server, exc.code).inc()
@@ -262,7 +252,7 @@ class Telemetry:
     ) -> None:
         self.metrics.save.labels(server, trigger).inc()
         self.metrics.save_bytes.labels(server).inc(nbytes)
-        self.metrics.save_ms.labels(server).observe(ms)
+        self.metrics.save_seconds.labels(server).observe(ms / 1000)
         event(
             log,
             logging.INFO,

@@ -9,6 +9,7 @@ from kvsidecar.coordinator.pool import owner_slot
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionTable
 from kvsidecar.coordinator.state import Lease, SessionRuntime, SessionState, Slot
+from kvsidecar.savepath import save_path_warning
 from kvsidecar.store.manifest import Manifest
 from kvsidecar.store.snapshots import SnapshotStore
 
@@ -123,7 +124,9 @@ def server_view(srv: ServerRuntime, sessions: SessionTable) -> dict[str, Any]:
         "endpoint": srv.config.base_url,
         "mode": srv.config.mode.value,
         "available": srv.available,
-        "persistence": srv.breaker.state.value,
+        "persistence": srv.breaker.state.value,  # the circuit breaker's state
+        # GET /slots answers (llama-server --slots): without it nothing is saved or restored. None: unknown
+        "slots_endpoint": srv.caps.slots_endpoint if srv.caps is not None else None,
         "last_error": srv.last_error,
         "fingerprint": srv.fingerprint.digest[:16] if srv.fingerprint else None,
         "runtime": {
@@ -136,4 +139,6 @@ def server_view(srv: ServerRuntime, sessions: SessionTable) -> dict[str, Any]:
             {"id": s.id, "owner": owner(s), "state": slot_state(s), "tokens": s.tokens}
             for s in sorted(srv.slots.values(), key=lambda s: s.id)
         ],
+        # setup problems found now (srv.process is the llama-server process seen at the last refresh)
+        "warnings": [w.to_dict() for w in [save_path_warning(srv.name, srv.config, srv.process)] if w],
     }

@@ -1,6 +1,6 @@
 """schemathesis against the daemon's own OpenAPI, over real HTTP: every route, generated and mutated
-inputs, no 500 and no hang. The daemon's llama-server is unreachable on purpose: every acquire then takes
-the cold-fallback path, which must hold up too."""
+inputs, no 500, no hang, and every answer as the document declares it. The daemon's llama-server is
+unreachable on purpose: every acquire then takes the cold-fallback path, which must hold up too."""
 
 from __future__ import annotations
 
@@ -41,7 +41,9 @@ def test_schemathesis_finds_no_server_error(tmp_path: Path) -> None:
                 "-H",
                 f"Authorization: Bearer {TOKEN}",
                 "--checks",
-                "not_a_server_error",
+                # no 500, and every answer (status, body, content type, headers) as /openapi.json says
+                "not_a_server_error,status_code_conformance,response_schema_conformance,"
+                "content_type_conformance,response_headers_conformance",
                 "--max-examples",
                 "25",
                 "--request-timeout",

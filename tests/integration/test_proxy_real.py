@@ -101,7 +101,7 @@ def test_openai_sdk_streaming(setup: Setup) -> None:
     assert setup.status()["stats"]["restore_hits"] == 1 and setup.status()["leases"] == 0
     # the engine's timings were found in the event stream: the restore was verified, not left unknown
     metrics = httpx.get(f"{setup.daemon.url}/metrics", headers=setup.daemon.auth).text
-    assert 'kv_restore_verified_total{result="effective",server="local"} 1.0' in metrics
+    assert 'kvsidecar_restore_verified_total{result="effective",server="local"} 1.0' in metrics
 
 
 def test_unmanaged_requests_pass_through(setup: Setup) -> None:

@@ -1,34 +1,15 @@
 """The README's Python example as a new user would run it: `kvsidecar serve` as its own process, a real
-llama-server, and `call_llama` posting to llama-server's /completion (the unit test uses the fake)."""
+llama-server, and the example's own `httpx.post` to llama-server's /completion (the unit test uses the fake)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import words
 from tests.conftest import StartServer
 from tests.unit.test_readme import TOKEN, cache_n, compiled, lease_of, run_example, the_example
-
-
-async def call_llama(
-    base_url: str, prompt: str, *, id_slot: int | None, cache_prompt: bool
-) -> dict[str, Any]:
-    body = {
-        "prompt": prompt,
-        "id_slot": id_slot,
-        "cache_prompt": cache_prompt,
-        "n_predict": 4,
-        "temperature": 0,
-    }
-    async with httpx.AsyncClient(timeout=600) as http:
-        response = await http.post(f"{base_url}/completion", json=body)
-    response.raise_for_status()
-    reply: dict[str, Any] = response.json()
-    return reply
 
 
 async def test_the_readme_example_on_a_real_llama_server(start_llama: StartServer, tmp_path: Path) -> None:
@@ -42,9 +23,7 @@ async def test_the_readme_example_on_a_real_llama_server(start_llama: StartServe
 
         async def turn(session: str, n: int) -> dict[str, Any]:
             prompt = words(session, 600 * n)
-            return await run_example(
-                code, token=TOKEN, session_id=session, prompt=prompt, call_llama=call_llama
-            )
+            return await run_example(code, token=TOKEN, session_id=session, prompt=prompt)
 
         first = await turn("A", 1)
         assert lease_of(first).outcome == "cold" and lease_of(first).base_url == server.base_url

@@ -206,8 +206,8 @@ async def test_metrics_and_openapi(h: Harness) -> None:
         pass
     async with http(h) as c:
         text = (await c.get("/metrics")).text
-        assert 'kv_acquire_total{outcome="cold",server="local"} 1.0' in text
-        assert "# TYPE kv_restore_duration_ms histogram" in text
+        assert 'kvsidecar_acquire_total{outcome="cold",server="local"} 1.0' in text
+        assert "# TYPE kvsidecar_restore_duration_seconds histogram" in text
         spec = (await c.get("/openapi.json")).json()
     assert (
         "/v1/sessions/{session_id}/acquire" in spec["paths"]

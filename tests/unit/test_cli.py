@@ -1,22 +1,30 @@
-"""The kvsidecar command offline: config check, sessions and gc from the state directory, unit rendering."""
+"""The kvsidecar command offline: config check, sessions and gc from the state directory, unit rendering,
+output into a closed pipe, a taken port at serve, and the human text of show and status."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import shutil
+import os
+import socket
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from kvsidecar import cli
+from kvsidecar.backend.base import BackendCapabilities
 from kvsidecar.cli import main, table
+from kvsidecar.cli_text import render_status
+from kvsidecar.store.llama_process import ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import SnapshotStore
-from kvsidecar.units import UNITS, UnitParams, render
+from tests.unit.coordinator_helpers import start_harness
+from tests.unit.test_openapi_contract import Api
 from tests.unit.test_store import FP, server_writes
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def write_config(tmp_path: Path, **extra: object) -> Path:
@@ -84,56 +92,204 @@ def test_gc_offline_is_a_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert len(list((tmp_path / "snaps").iterdir())) == 3
 
 
-def test_shipped_units_are_the_default_rendering() -> None:
-    for name in UNITS:
-        assert (REPO / "systemd" / name).read_text() == render(name, UnitParams()), (
-            f"regenerate systemd/{name}"
-        )
+def _install(tmp_path: Path, config: Path, *extra: str) -> tuple[int, Path]:
+    dest = tmp_path / "units"
+    code = main(["-c", str(config), "install-systemd", "--dest", str(dest), *extra])
+    return code, dest
 
 
-def test_install_systemd_renders_and_verifies(tmp_path: Path) -> None:
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    for exe in ("kvsidecar", "llama-server"):
-        (fake_bin / exe).write_text("#!/bin/sh\n")
-        (fake_bin / exe).chmod(0o755)
-    cfg = write_config(tmp_path)
-    code = main(
-        [
-            "-c",
-            str(cfg),
-            "install-systemd",
-            "--dest",
-            str(tmp_path / "units"),
-            "--user",
-            "root",
-            "--llama-user",
-            "root",
-            "--group",
-            "root",
-            "--kvsidecar",
-            str(fake_bin / "kvsidecar"),
-            "--llama-server",
-            str(fake_bin / "llama-server"),
-            "--model",
-            str(cfg),
-        ]
-    )
-    assert code == 0
-    unit = (tmp_path / "units" / "kvsidecar.service").read_text()
+def test_install_systemd_refuses_paths_the_units_hide(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both units have PrivateTmp=yes (each its own /tmp) and ProtectHome=yes (no /home, /root)."""
+    cfg = write_config(tmp_path)  # state and snapshot directories under pytest's /tmp
+    system = ["--kvsidecar", "/usr/local/bin/kvsidecar", "--config-path", "/etc/kvsidecar/config.yaml"]
+    code, dest = _install(tmp_path, cfg, *system, "--model", "/home/ann/models/m.gguf")
+    assert code == 2 and not dest.exists()  # nothing written
+    err = capsys.readouterr().err
+    assert f"KV_UNIT_PATH_UNSAFE PRIVATE_TMP: state_dir {tmp_path / 'state'}" in err
+    assert f"PRIVATE_TMP: servers.local.snapshot_dir {tmp_path / 'snaps'}" in err
+    assert "PROTECT_HOME: --model /home/ann/models/m.gguf" in err
+    assert "kvsidecar: KV_UNIT_PATH_UNSAFE: 3 path(s)" in err and "Traceback" not in err
+    code, dest = _install(tmp_path, cfg, "--kvsidecar", "/root/.local/bin/kvsidecar")
+    assert code == 2 and "PROTECT_HOME: --kvsidecar /root/.local/bin/kvsidecar" in capsys.readouterr().err
+    # --force writes them anyway, still warning
+    code, dest = _install(tmp_path, cfg, *system, "--force")
+    assert code == 0 and "PRIVATE_TMP" in capsys.readouterr().err
+    unit = (dest / "kvsidecar.service").read_text()
     assert f"ReadWritePaths={tmp_path / 'state'} {tmp_path / 'snaps'}" in unit
     assert "TimeoutStopSec=90" in unit and "NoNewPrivileges=yes" in unit and "ProtectSystem=strict" in unit
-    llama = (tmp_path / "units" / "llama-server.service").read_text()
+    llama = (dest / "llama-server.service").read_text()
     assert f"--slot-save-path {tmp_path / 'snaps'}" in llama and "--swa-full" in llama
-    if shutil.which("systemd-analyze") is None:
-        pytest.skip("systemd-analyze is not installed here")
-    result = subprocess.run(
-        ["systemd-analyze", "verify", "--man=no", *(str(tmp_path / "units" / u) for u in UNITS)],
-        capture_output=True,
-        text=True,
+
+
+def test_install_systemd_for_a_system_layout_is_quiet(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "state_dir": "/var/lib/kvsidecar/state",
+                "servers": {"local": {"snapshot_dir": "/var/lib/kvsidecar/snapshots"}},
+            }
+        )
     )
-    assert result.returncode == 0, result.stderr
+    system = ["--kvsidecar", "/usr/local/bin/kvsidecar", "--config-path", "/etc/kvsidecar/config.yaml"]
+    code, dest = _install(tmp_path, cfg, *system)
+    captured = capsys.readouterr()
+    assert code == 0 and captured.err == ""
+    assert "StateDirectory=kvsidecar/state" in (dest / "kvsidecar.service").read_text()
+    # systemd creates both directories (StateDirectory=): no mkdir/chown step is printed
+    assert "mkdir" not in captured.out and "create users kvsidecar and llama" in captured.out
 
 
 def test_table() -> None:
     assert table([[1, None, "x"]], ["a", "b", "c"]).splitlines() == ["a  b  c", "-  -  -", "1     x"]
+
+
+def _kvsidecar(*args: str, stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvsidecar", *args],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    """`kvsidecar status | head -2`: the reader is gone before we write. No traceback, no "Exception
+    ignored" at exit: the exit status a Unix tool killed by SIGPIPE has (141)."""
+    populate(tmp_path, 3)
+    cfg = str(write_config(tmp_path))
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader left: every write now fails with EPIPE
+    try:
+        result = _kvsidecar("-c", cfg, "sessions", "--offline", stdout=write_end)
+    finally:
+        os.close(write_end)
+    assert result.stderr == "" and result.returncode == 141
+
+
+def test_serve_on_a_taken_port_has_its_own_code(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = write_config(tmp_path, api={"listen": f"127.0.0.1:{port}"})
+        result = _kvsidecar("-c", str(cfg), "serve")
+    assert result.returncode == 2, result.stderr
+    assert f"KV_LISTEN_IN_USE: api.listen: 127.0.0.1:{port} is already in use" in result.stderr
+    assert "KV_CONFIG_INVALID" not in result.stderr and "Traceback" not in result.stderr
+
+
+SESSION = {
+    "session": [
+        {
+            "session": "abcdef0123456789",
+            "provider": "local",
+            "model": "m",
+            "server": "local",
+            "state": "saved",
+            "resident_slot": None,
+            "dirty_revision": 3,
+            "saved_revision": 3,
+            "last_error": None,
+            "snapshot": {
+                "current": "b",
+                "bytes": 4096,
+                "updated_at": 1_700_000_000.0,
+                "generations": {
+                    "b": {"tokens": 48, "bytes": 2048, "invalid_reason": None, "saved_at": 1_700_000_000.0},
+                    "a": {
+                        "tokens": 40,
+                        "bytes": 2048,
+                        "invalid_reason": "CHECKSUM",
+                        "saved_at": 1_699_000_000.0,
+                    },
+                },
+            },
+        }
+    ]
+}
+
+
+def test_show_prints_text_and_json_only_with_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli, "_call", lambda *_a, **_k: SESSION)
+    cfg = str(write_config(tmp_path))
+    assert main(["-c", cfg, "show", "abcdef0123456789"]) == 0
+    out = capsys.readouterr().out
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out)
+    assert "session abcdef0123456789 (local/m) on local: saved" in out
+    assert "b *" in out and "CHECKSUM" in out and "generation" in out
+    assert main(["-c", cfg, "show", "abcdef0123456789", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == SESSION
+
+
+async def test_status_headline_follows_the_real_state(tmp_path: Path) -> None:
+    """Not "persistence healthy" while the server is down or runs without --slots."""
+    h = await start_harness(tmp_path)
+    try:
+        srv = h.coordinator.servers["local"]
+        assert "up, persistence healthy" in render_status(h.coordinator.status())
+        h.fake.knobs.unavailable = True
+        await srv.refresh()
+        text = render_status(h.coordinator.status())
+        assert "DOWN, persistence UNAVAILABLE (server down: fake backend is unavailable)" in text
+        assert "healthy" not in text
+        h.fake.knobs.unavailable = False
+        caps = await h.fake.probe()
+        no_slots = dataclasses.replace(caps, slots_endpoint=False)
+
+        async def probe() -> BackendCapabilities:
+            return no_slots
+
+        h.fake.probe = probe  # type: ignore[method-assign]  # llama-server started without --slots
+        await srv.refresh()
+        status: dict[str, Any] = h.coordinator.status()
+        assert status["servers"][0]["slots_endpoint"] is False
+        text = render_status(status)
+        assert "up, persistence UNAVAILABLE (llama-server runs without --slots)" in text
+        assert "healthy" not in text
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_status_shows_a_snapshot_dir_llama_server_does_not_save_into(tmp_path: Path) -> None:
+    """`status` (API and text) warns when llama-server's --slot-save-path is not the server's snapshot_dir,
+    and its headline does not say "healthy" then; the same directory, or no process to read, is no warning."""
+    h = await start_harness(tmp_path)
+    try:
+        srv = h.coordinator.servers["local"]
+        assert h.coordinator.status()["servers"][0]["warnings"] == []  # no local process found: not judged
+        elsewhere = tmp_path / "elsewhere"
+
+        async def llama_saving_into(path: Path, pid: int) -> str:
+            flags = {"slot_save_path": str(path)}
+            h.process[0] = ProcessInfo(
+                pid=pid, create_time=float(pid), exe=None, cmdline=("llama-server",), flags=flags, cwd="/"
+            )
+            await srv.refresh()
+            return render_status(h.coordinator.status())
+
+        text = await llama_saving_into(elsewhere, 1)
+        [warning] = h.coordinator.status()["servers"][0]["warnings"]
+        assert warning["code"] == "KV_SAVE_PATH_MISMATCH" and warning["server"] == "local"
+        assert "up, persistence MISCONFIGURED (KV_SAVE_PATH_MISMATCH" in text and "healthy" not in text
+        assert f"warning KV_SAVE_PATH_MISMATCH: llama-server (pid 1) saves into {elsewhere}" in text
+        assert "fix: make servers.local.snapshot_dir and llama-server's --slot-save-path" in text
+        api = Api(h)  # GET /v1/status with the warning matches the OpenAPI document (no undeclared key)
+        [route] = [r for r in api.routes if r.path == "/v1/status"]
+        async with api.client() as c:
+            answer = await c.get("/v1/status")
+        assert answer.json()["servers"][0]["warnings"] == [warning]
+        api.check(route, answer)
+        text = await llama_saving_into(tmp_path / "snaps", 2)
+        assert h.coordinator.status()["servers"][0]["warnings"] == []
+        assert "up, persistence healthy" in text and "warning" not in text
+    finally:
+        await h.coordinator.aclose()

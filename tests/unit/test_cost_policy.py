@@ -215,4 +215,4 @@ async def test_cost_estimates_are_read_at_scrape_time(h: Harness) -> None:
     own to publish it)."""
     h.coordinator.costs.observe_prefill("local", tokens=1000, ms=500.0)
     text = h.coordinator.metrics.render().decode()
-    assert 'kv_cost_estimate{figure="prefill_tokens_per_s",server="local"} 2000.0' in text
+    assert 'kvsidecar_cost_prefill_tokens_per_second{server="local"} 2000.0' in text

@@ -139,7 +139,7 @@ async def test_llama_answer_cut_mid_body_reaches_the_client_as_cut(tmp_path: Pat
         assert status["leases"] == 0 and status["stats"]["restore_hits"] == 0
 
 
-async def test_silent_llama_is_a_502_with_a_stable_code(tmp_path: Path) -> None:
+async def test_silent_llama_is_a_504_with_a_stable_code(tmp_path: Path) -> None:
     async def handler(conn: OriginConn) -> None:
         await conn.read_request()
         await conn.read_request()  # never answers
@@ -147,7 +147,7 @@ async def test_silent_llama_is_a_502_with_a_stable_code(tmp_path: Path) -> None:
     async for each in rig(tmp_path, Origin(handler), proxy={"upstream_timeout_s": 0.3}):
         async with each.client() as c:
             resp = await c.post("/completion", json={"prompt": "x"}, headers={"X-Session-Id": "s"})
-        assert resp.status_code == 502 and resp.json()["error"]["code"] == "KV_BACKEND_UNAVAILABLE"
+        assert resp.status_code == 504 and resp.json()["error"]["code"] == "KV_OPERATION_TIMEOUT"
         assert "sent nothing for 0.3 s" in resp.json()["error"]["message"]
         assert each.h.coordinator.status()["leases"] == 0
 
@@ -240,11 +240,12 @@ async def test_proxy_metrics_count_requests_by_kind_and_result(r: Rig) -> None:
     registry = r.h.coordinator.metrics.registry
 
     def count(kind: str, result: str) -> float | None:
-        return registry.get_sample_value("kv_proxy_request_total", {"kind": kind, "result": result})
+        return registry.get_sample_value("kvsidecar_proxy_request_total", {"kind": kind, "result": result})
 
     assert count("managed", "ok") == 2 and count("passthrough", "ok") == 1
     assert count("refused", "KV_INVALID_SESSION_ID") == 1 and count("refused", "KV_UNAUTHORIZED") == 1
-    assert registry.get_sample_value("kv_proxy_upstream_connect_total") == 1  # one kept-alive connection
+    # one kept-alive connection
+    assert registry.get_sample_value("kvsidecar_proxy_upstream_connect_total") == 1
 
 
 async def test_long_silent_prefill_is_waited_for_while_the_slot_is_busy(tmp_path: Path) -> None:

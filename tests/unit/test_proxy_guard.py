@@ -93,7 +93,7 @@ async def test_slot_management_is_refused_however_it_is_spelled(r: Rig) -> None:
     assert head.status == 403
     assert r.origin.requests == [] and r.origin.connections == 0  # llama-server never heard of any
     refused = r.h.coordinator.metrics.registry.get_sample_value(
-        "kv_proxy_request_total", {"kind": "refused", "result": "KV_PROXY_FORBIDDEN"}
+        "kvsidecar_proxy_request_total", {"kind": "refused", "result": "KV_PROXY_FORBIDDEN"}
     )
     assert refused == len(REFUSED) + 1
 

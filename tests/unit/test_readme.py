@@ -1,8 +1,9 @@
 """The README's Python example runs as written (watchfiles tests its docs the same way).
 
 Its ```python block is compiled from README.md itself, with the placeholders a harness would fill in
-(`token`, `session_id`, `prompt`, `call_llama`), and run against the daemon serving on a loopback port with
-the fake backend: a change to the client's API that the README does not follow fails here.
+(`token`, `session_id`, `prompt`), and run (in a worker thread: the client is blocking) against the daemon
+serving on a loopback port with the fake backend, its `httpx.post` to llama-server's /completion answered by
+the fake: a change to the client's API that the README does not follow fails here.
 tests/integration/test_readme_real.py runs the same block against a real llama-server.
 """
 
@@ -14,11 +15,14 @@ import contextlib
 import inspect
 import re
 import typing
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType
 from typing import Any
+
+import httpx
+import pytest
 
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.client import Lease
@@ -32,7 +36,6 @@ from tests.unit.coordinator_helpers import conversation, make_config
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 TOKEN = "readme-example-token-0123456789"
-CallLlama = Callable[..., Awaitable[dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -66,10 +69,11 @@ def compiled(example: Example, url: str) -> CodeType:
 
 
 async def run_example(code: CodeType, **placeholders: object) -> dict[str, Any]:
-    """Run the compiled block with its placeholders defined; returns the names it left behind."""
+    """Run the compiled block with its placeholders defined, in a worker thread (the example uses the
+    blocking client; the daemon may serve on this loop); returns the names it left behind."""
     namespace: dict[str, Any] = dict(placeholders)
-    result = eval(code, namespace)  # our own README; a coroutine because of the top-level await
-    if inspect.iscoroutine(result):
+    result = await asyncio.to_thread(eval, code, namespace)  # our own README
+    if inspect.iscoroutine(result):  # an async example (top-level await)
         await result
     return namespace
 
@@ -115,31 +119,41 @@ async def serve_daemon(tmp_path: Path) -> AsyncIterator[Served]:
         await task
 
 
-def fake_llama(served: Served) -> CallLlama:
-    """The harness's own model call, here on the fake backend: llama-server's /completion in miniature."""
+class FakeReply:
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
 
-    async def call_llama(
-        base_url: str, prompt: list[int], *, id_slot: int | None, cache_prompt: bool
-    ) -> dict[str, Any]:
-        assert base_url == served.daemon.config.servers["local"].base_url
-        assert id_slot is not None and cache_prompt
-        prompt_n, cached = served.fake.infer(id_slot, prompt)
+    def raise_for_status(self) -> FakeReply:
+        return self
+
+    def json(self) -> dict[str, Any]:
+        return self.body
+
+
+def fake_completion(served: Served) -> Callable[..., FakeReply]:
+    """The harness's own model call (`httpx.post` to llama-server's /completion), here on the fake backend."""
+
+    def post(url: str, *, json: dict[str, Any], timeout: float) -> FakeReply:
+        assert url == served.daemon.config.servers["local"].base_url + "/completion"
+        assert json["id_slot"] is not None and json["cache_prompt"] is True
+        prompt_n, cached = served.fake.infer(json["id_slot"], json["prompt"])
         timings = {"prompt_n": prompt_n, "cache_n": cached, "prompt_ms": 0.5 * prompt_n}
-        return {"content": "", "timings": timings}
+        return FakeReply({"content": "", "timings": timings})
 
-    return call_llama
+    return post
 
 
-async def test_the_readme_example_runs_against_the_daemon(tmp_path: Path) -> None:
+async def test_the_readme_example_runs_against_the_daemon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A, then B on the one slot, then A again: restored from the snapshot the example's flush wrote."""
     async with serve_daemon(tmp_path) as served:
         code = compiled(the_example(), served.url)
+        monkeypatch.setattr(httpx, "post", fake_completion(served))
 
         async def turn(session: str, n: int) -> dict[str, Any]:
             prompt = conversation(session, n)
-            return await run_example(
-                code, token=TOKEN, session_id=session, prompt=prompt, call_llama=fake_llama(served)
-            )
+            return await run_example(code, token=TOKEN, session_id=session, prompt=prompt)
 
         first = await turn("A", 1)
         assert lease_of(first).outcome == "cold" and cache_n(first) == 0

@@ -23,7 +23,8 @@ from kvsidecar import __version__
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.cli import EXIT_USAGE, main
 from kvsidecar.errors import MetadataIO, StateLocked
-from kvsidecar.service import Daemon, Stopper
+from kvsidecar.lifecycle import Stopper
+from kvsidecar.service import Daemon
 from kvsidecar.statelock import LOCK_NAME, Holder, StateLock, this_host
 from kvsidecar.testing.llama import free_port
 from tests.unit.coordinator_helpers import make_config

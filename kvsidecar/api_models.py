@@ -1,0 +1,250 @@
+"""The hook API's answers as pydantic models, for the OpenAPI document only.
+
+The handlers return plain dicts (the wire format of docs/PRODUCT.md); these models describe them, field for
+field, and are never used to build or validate an answer, so the hot path (acquire, release) pays nothing
+for them. tests/unit/test_openapi_contract.py checks that what the server answers matches them.
+
+A field that is always present but may be null is `X | None` with no default (required, nullable); a field
+that is present only sometimes is `Absent[X]` (optional, never null).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, Field
+from pydantic.json_schema import SkipJsonSchema
+
+from kvsidecar.config import Mode
+from kvsidecar.coordinator.breaker import BreakerState
+from kvsidecar.coordinator.core import EventType
+from kvsidecar.coordinator.state import Outcome, SessionState
+
+T = TypeVar("T")
+
+
+def _no_default(schema: dict[str, Any]) -> None:
+    schema.pop("default", None)
+
+
+# Present only sometimes, never null: the schema says the type, and the key is not required.
+Absent = Annotated[T | SkipJsonSchema[None], Field(default=None, json_schema_extra=_no_default)]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    version: str
+
+
+class RestoreResponse(BaseModel):
+    """What an acquire did (restore: the same, without a lease: it was released at once)."""
+
+    outcome: Outcome
+    server: str | None
+    base_url: str | None
+    slot_id: int | None
+    restored_tokens: int | None
+    restore_ms: float | None
+    restore_server_ms: float | None = Field(description="llama-server's own timings.restore_ms")
+    evicted: str | None = Field(description="the short id of the session whose slot this was")
+    reason: str | None = Field(description="why a cold_fallback or bypass (docs/API.md)")
+    actions: list[str]
+
+
+class AcquireResponse(RestoreResponse):
+    lease_id: str | None = Field(description="null for bypass: no lease, do nothing")
+
+
+class ReleaseResponse(BaseModel):
+    released: Literal[True]
+    dirty: bool
+    revision: Absent[int]
+    restore_verification: Absent[Literal["effective", "ineffective", "unknown"]]
+
+
+class EventResponse(BaseModel):
+    type: EventType
+    saved: int
+
+
+class SaveResponse(BaseModel):
+    saved: int
+    checked: int
+
+
+class InvalidateResponse(BaseModel):
+    invalidated: int
+
+
+class PurgeResponse(BaseModel):
+    purged: int
+    bytes_freed: int
+
+
+# -- sessions ----------------------------------------------------------------------------------------------
+class GenerationView(BaseModel):
+    tokens: int
+    bytes: int
+    invalid_reason: str | None
+    saved_at: float
+
+
+class SnapshotView(BaseModel):
+    current: Literal["a", "b"] | None
+    bytes: int
+    updated_at: float
+    generations: dict[str, GenerationView]
+
+
+class SessionView(BaseModel):
+    session: str = Field(description="the short id in lists, the full id for GET /v1/sessions/{id}")
+    provider: str
+    model: str
+    server: str
+    state: SessionState
+    resident_slot: int | None
+    dirty_revision: int
+    saved_revision: int
+    last_error: str | None
+    snapshot: SnapshotView | None
+
+
+class SessionsResponse(BaseModel):
+    sessions: list[SessionView]
+
+
+class SessionResponse(BaseModel):
+    session: list[SessionView] = Field(description="one entry per (provider, model) of the session")
+
+
+# -- status ------------------------------------------------------------------------------------------------
+class RuntimeView(BaseModel):
+    identity: str
+    canary: str
+    canary_failures: int
+    restarts_seen: int
+
+
+class SlotView(BaseModel):
+    id: int
+    owner: str | None
+    state: str = Field(description="idle, aux, ready, dirty, inference, or the operation holding it")
+    tokens: int | None
+
+
+class SetupWarningView(BaseModel):
+    code: Literal["KV_SAVE_PATH_MISMATCH"] = Field(
+        description="KV_SAVE_PATH_MISMATCH: llama-server's --slot-save-path is not this server's snapshot_dir"
+    )
+    server: str
+    message: str
+    fix: str
+
+
+class ServerView(BaseModel):
+    name: str
+    kind: str
+    endpoint: str
+    mode: Mode
+    available: bool
+    persistence: BreakerState = Field(description="the persistence circuit breaker's state")
+    slots_endpoint: bool | None = Field(
+        description="GET /slots answers (llama-server --slots); null until the server was reached"
+    )
+    last_error: str | None
+    fingerprint: str | None
+    runtime: RuntimeView
+    slots: list[SlotView]
+    warnings: list[SetupWarningView] = Field(
+        description="setup problems persistence cannot work around (empty when none, or when the "
+        "llama-server process cannot be read: a remote server)"
+    )
+
+
+class SnapshotCounts(BaseModel):
+    known: int
+    valid: int
+    invalid: int
+    bad_manifests: int
+    bytes: int
+
+
+class CostView(BaseModel):
+    save_bytes_per_s: float | None
+    restore_bytes_per_s: float | None
+    prefill_tokens_per_s: float | None
+    kv_bytes_per_token: float | None
+
+
+class ConfigView(BaseModel):
+    pending_restart: list[str]
+
+
+class StatusResponse(BaseModel):
+    enabled: bool
+    servers: list[ServerView]
+    snapshots: SnapshotCounts
+    sessions_in_memory: int
+    leases: int
+    stats: dict[str, int]
+    cost_model: dict[str, CostView]
+    config: ConfigView
+
+
+# -- doctor and gc -----------------------------------------------------------------------------------------
+Verdict = Literal["READY", "DEGRADED", "NOT READY"]
+
+
+class DoctorCheck(BaseModel):
+    name: str
+    status: Literal["OK", "WARN", "FAIL", "SKIP"]
+    detail: str
+    fix: str
+
+
+class DoctorServer(BaseModel):
+    server: str
+    endpoint: str
+    result: Verdict
+    checks: list[DoctorCheck]
+
+
+class DoctorResponse(BaseModel):
+    result: Verdict
+    servers: list[DoctorServer]
+
+
+class GcDeletion(BaseModel):
+    file: str
+    server: str
+    bytes: int
+    reason: str
+    kind: str
+    generation: str | None
+    snapshot: str | None
+    deleted: Absent[bool]
+    skipped: Absent[str]
+
+
+class GcPolicy(BaseModel):
+    max_total_bytes: int | None
+    max_sessions: int | None
+    max_age_s: float | None
+    min_free_bytes: int | None
+    min_free_percent: float | None
+    low_watermark: float
+    orphan_grace_s: float
+
+
+class GcResponse(BaseModel):
+    dry_run: bool
+    deletion_enabled: bool
+    deletions: list[GcDeletion]
+    freed_bytes: int
+    planned_bytes: int
+    bytes_before: int
+    bytes_after: int
+    snapshots_before: int
+    snapshots_after: int
+    unmet: list[str]
+    policy: GcPolicy

@@ -1,0 +1,125 @@
+"""`KvSidecar`: the blocking twin of `AsyncKvSidecar` (kvsidecar/client.py), for harnesses without a loop.
+
+Same methods, arguments, results and errors; the requests and the reading of answers are
+kvsidecar/client_wire.py's, shared with the async client. Import it from `kvsidecar.client`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+import httpx
+
+from kvsidecar import client_wire as wire
+from kvsidecar.client_wire import Lease
+
+T = TypeVar("T")
+
+
+class KvSidecar:
+    def __init__(
+        self,
+        base_url: str = wire.DEFAULT_URL,
+        *,
+        token: str | None = None,
+        uds: str | None = None,
+        timeout_s: float = wire.DEFAULT_TIMEOUT_S,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if transport is None and uds is not None:
+            transport = httpx.HTTPTransport(uds=uds)
+        self._http = httpx.Client(
+            base_url=base_url, headers=wire.headers(token), timeout=timeout_s, transport=transport
+        )
+
+    def __enter__(self) -> KvSidecar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _send(self, call: wire.Call[T]) -> T:
+        response = self._http.request(call.method, call.path, json=call.body)
+        return call.parse(response)
+
+    def _call(self, method: wire.Method, path: str, body: dict[str, Any] | None = None) -> Any:
+        """A route's JSON answer as is (kept for tools written against the first client)."""
+        return self._send(wire.raw(method, path, body))
+
+    def acquire_lease(
+        self,
+        session_id: str | None,
+        *,
+        provider: str,
+        model: str,
+        purpose: str | None = None,
+        seq: int | None = None,
+    ) -> Lease:
+        return self._send(
+            wire.acquire_lease(session_id, provider=provider, model=model, purpose=purpose, seq=seq)
+        )
+
+    def release(
+        self,
+        lease_id: str,
+        *,
+        status: str,
+        prompt_tokens: int | None = None,
+        cached_tokens: int | None = None,
+        prompt_ms: float | None = None,
+    ) -> dict[str, Any]:
+        return self._send(
+            wire.release(
+                lease_id,
+                status=status,
+                prompt_tokens=prompt_tokens,
+                cached_tokens=cached_tokens,
+                prompt_ms=prompt_ms,
+            )
+        )
+
+    @contextlib.contextmanager
+    def acquire(
+        self,
+        session_id: str | None,
+        *,
+        provider: str,
+        model: str,
+        purpose: str | None = None,
+        seq: int | None = None,
+    ) -> Iterator[Lease]:
+        """A lease for the block: released "ok" with `lease.report()`'s numbers, or "aborted" if it raised."""
+        lease = self.acquire_lease(session_id, provider=provider, model=model, purpose=purpose, seq=seq)
+        completed = False
+        try:
+            yield lease
+            completed = True
+        finally:
+            if (call := wire.release_of(lease, completed=completed)) is not None:
+                lease.release_result = self._send(call)
+
+    def event(self, session_id: str, type_: str, *, seq: int | None = None) -> dict[str, Any]:
+        return self._send(wire.event(session_id, type_, seq=seq))
+
+    def save(self, session_id: str) -> dict[str, Any]:
+        return self._send(wire.save(session_id))
+
+    def restore(self, session_id: str, *, provider: str, model: str) -> dict[str, Any]:
+        return self._send(wire.restore(session_id, provider=provider, model=model))
+
+    def invalidate(self, session_id: str) -> dict[str, Any]:
+        return self._send(wire.invalidate(session_id))
+
+    def purge(self, session_id: str) -> dict[str, Any]:
+        return self._send(wire.purge(session_id))
+
+    def sessions(self) -> list[dict[str, Any]]:
+        return self._send(wire.sessions())
+
+    def status(self) -> dict[str, Any]:
+        return self._send(wire.status())

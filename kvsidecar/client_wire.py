@@ -1,0 +1,205 @@
+"""What the Python clients send and how they read the answer: one definition for both transports.
+
+`AsyncKvSidecar` (kvsidecar/client.py) and `KvSidecar` (kvsidecar/client_sync.py) only send the `Call`s
+built here and hand the response to `Call.parse`; the request bodies, the paths (every client string is
+percent-encoded into one path segment), the error mapping and the shape checks of the answers live here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
+from urllib.parse import quote
+
+import httpx
+
+T = TypeVar("T")
+Method = Literal["GET", "POST", "DELETE"]
+DEFAULT_URL = "http://127.0.0.1:8377"
+DEFAULT_TIMEOUT_S = 330.0  # above the daemon's longest acquire wait
+
+
+class SidecarError(Exception):
+    """An error answer of the daemon, with its stable `code` (kvsidecar/errors.py) and HTTP status.
+
+    A reply that is not the daemon's (no JSON error body) has code `KV_HTTP_ERROR`; a success reply whose body
+    is not the documented shape has code `KV_BAD_RESPONSE`. Transport failures stay `httpx.HTTPError`.
+    """
+
+    def __init__(self, *, status: int, code: str, message: str, hint: str = "") -> None:
+        super().__init__(f"{code}: {message}")
+        self.status, self.code, self.message, self.hint = status, code, message, hint
+
+
+@dataclass(kw_only=True)
+class Lease:
+    outcome: str
+    lease_id: str | None
+    server: str | None = None
+    base_url: str | None = None
+    slot_id: int | None = None
+    restored_tokens: int | None = None
+    restore_ms: float | None = None
+    evicted: str | None = None
+    reason: str | None = None
+    actions: list[str] = field(default_factory=list)
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    prompt_ms: float | None = None
+    release_result: dict[str, Any] | None = None
+
+    def report(
+        self,
+        *,
+        prompt_tokens: int | None = None,
+        cached_tokens: int | None = None,
+        prompt_ms: float | None = None,
+    ) -> None:
+        """The engine's own numbers (timings.prompt_n, timings.cache_n, timings.prompt_ms), sent with the
+        release: the reuse check after a restore, and the cost model's prefill speed."""
+        self.prompt_tokens, self.cached_tokens, self.prompt_ms = prompt_tokens, cached_tokens, prompt_ms
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One request of the hook API and the reader of its successful answer."""
+
+    method: Method
+    path: str
+    body: dict[str, Any] | None
+    read: Callable[[Any], T]
+
+    def parse(self, response: httpx.Response) -> T:
+        """The answer's value, or `SidecarError` for an error answer or a body of the wrong shape."""
+        try:
+            data = response.json()
+        except ValueError:
+            data = None
+        if response.status_code >= 400:
+            raise _error_of(response, data)
+        try:
+            return self.read(data)
+        except (TypeError, KeyError, ValueError) as exc:
+            raise SidecarError(
+                status=response.status_code,
+                code="KV_BAD_RESPONSE",
+                message=f"{self.method} {self.path}: unexpected answer ({exc})",
+            ) from None
+
+
+def _error_of(response: httpx.Response, data: object) -> SidecarError:
+    err = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(err, dict):
+        err = {}
+    return SidecarError(
+        status=response.status_code,
+        code=str(err.get("code", "KV_HTTP_ERROR")),
+        message=str(err.get("message", response.text[:200])),
+        hint=str(err.get("hint", "")),
+    )
+
+
+def _object(data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise TypeError(f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _lease(data: Any) -> Lease:
+    obj = _object(data)
+    known = {k: v for k, v in obj.items() if k in Lease.__dataclass_fields__}
+    if "outcome" not in known or "lease_id" not in known:
+        raise KeyError("outcome/lease_id")
+    return Lease(**known)
+
+
+def _sessions(data: Any) -> list[dict[str, Any]]:
+    sessions = _object(data)["sessions"]
+    if not isinstance(sessions, list):
+        raise TypeError("sessions is not a list")
+    return [_object(s) for s in sessions]
+
+
+def _session_path(session_id: str, action: str = "") -> str:
+    return f"/v1/sessions/{quote(session_id, safe='')}" + (f"/{action}" if action else "")
+
+
+def _optional(**values: Any) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def raw(method: Method, path: str, body: dict[str, Any] | None = None) -> Call[Any]:
+    """Any route, its JSON answer as is (errors still mapped): for tools that need a field the typed
+    methods do not read."""
+    return Call(method, path, body, lambda data: data)
+
+
+def acquire_lease(
+    session_id: str | None, *, provider: str, model: str, purpose: str | None, seq: int | None
+) -> Call[Lease]:
+    body = {"provider": provider, "model": model} | _optional(purpose=purpose, seq=seq)
+    path = "/v1/acquire" if session_id is None else _session_path(session_id, "acquire")
+    return Call("POST", path, body, _lease)
+
+
+def release(
+    lease_id: str,
+    *,
+    status: str,
+    prompt_tokens: int | None,
+    cached_tokens: int | None,
+    prompt_ms: float | None,
+) -> Call[dict[str, Any]]:
+    body = {"status": status} | _optional(
+        prompt_ms=prompt_ms, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens
+    )
+    return Call("POST", f"/v1/leases/{quote(lease_id, safe='')}/release", body, _object)
+
+
+def release_of(lease: Lease, *, completed: bool) -> Call[dict[str, Any]] | None:
+    """The release at the end of an `acquire` block: "ok" with the reported numbers, or "aborted" when the
+    block raised; None for a lease the daemon did not give (`bypass`)."""
+    if lease.lease_id is None:
+        return None
+    return release(
+        lease.lease_id,
+        status="ok" if completed else "aborted",
+        prompt_tokens=lease.prompt_tokens,
+        cached_tokens=lease.cached_tokens,
+        prompt_ms=lease.prompt_ms,
+    )
+
+
+def event(session_id: str, type_: str, *, seq: int | None) -> Call[dict[str, Any]]:
+    body = {"type": type_} | _optional(seq=seq)
+    return Call("POST", _session_path(session_id, "events"), body, _object)
+
+
+def save(session_id: str) -> Call[dict[str, Any]]:
+    return Call("POST", _session_path(session_id, "save"), None, _object)
+
+
+def restore(session_id: str, *, provider: str, model: str) -> Call[dict[str, Any]]:
+    body = {"provider": provider, "model": model}
+    return Call("POST", _session_path(session_id, "restore"), body, _object)
+
+
+def invalidate(session_id: str) -> Call[dict[str, Any]]:
+    return Call("POST", _session_path(session_id, "invalidate"), None, _object)
+
+
+def purge(session_id: str) -> Call[dict[str, Any]]:
+    return Call("DELETE", _session_path(session_id), None, _object)
+
+
+def sessions() -> Call[list[dict[str, Any]]]:
+    return Call("GET", "/v1/sessions", None, _sessions)
+
+
+def status() -> Call[dict[str, Any]]:
+    return Call("GET", "/v1/status", None, _object)

@@ -1,0 +1,127 @@
+"""Gauges computed when `/metrics` is scraped, from the state the coordinator already holds.
+
+Nothing here is set by a job or kept in step by hand: each collector reads the live tables (the store's
+in-memory manifest table, the lease table, each server's breaker, probe result and waiting queue, the cost
+model) at scrape time, on the event loop that owns them. docs/METRICS.md describes every family.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client.metrics_core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvsidecar.coordinator.breaker import BreakerState
+from kvsidecar.coordinator.costs import CostModel
+from kvsidecar.coordinator.server import ServerRuntime
+from kvsidecar.coordinator.state import Lease
+from kvsidecar.metrics import PREFIX
+from kvsidecar.store.snapshots import SnapshotStore
+
+# The cost model's figures (CostModel.view()) and the gauge each one is published as.
+COST_GAUGES: dict[str, tuple[str, str]] = {
+    "save_bytes_per_s": ("cost_save_bytes_per_second", "Learned save throughput"),
+    "restore_bytes_per_s": ("cost_restore_bytes_per_second", "Learned restore throughput"),
+    "prefill_tokens_per_s": ("cost_prefill_tokens_per_second", "Learned prefill speed"),
+    "kv_bytes_per_token": ("cost_kv_bytes_per_token", "Learned size of one token's KV in a snapshot"),
+}
+_BUILD_LABEL_MAX = 120  # llama-server's build string is the server's to choose: keep the label bounded
+
+
+class CostCollector(Collector):
+    """`kvsidecar_cost_*{server}`: the learned cost model, read when /metrics is scraped (every figure as
+    learned now; a figure not learned yet has no sample)."""
+
+    def __init__(self, costs: CostModel) -> None:
+        self.costs = costs
+
+    def collect(self) -> Iterator[Metric]:
+        families = {
+            figure: GaugeMetricFamily(
+                PREFIX + name, f"{help_} (the cost-aware checkpoint policy's model)", labels=["server"]
+            )
+            for figure, (name, help_) in COST_GAUGES.items()
+        }
+        for server, figures in self.costs.view().items():
+            for figure, value in figures.items():
+                if value is not None and figure in families:
+                    families[figure].add_metric([server], value)
+        yield from families.values()
+
+
+class StateCollector(Collector):
+    """Per-server state gauges and the snapshot store's size, computed at scrape time."""
+
+    def __init__(
+        self,
+        *,
+        servers: dict[str, ServerRuntime],
+        leases: Iterable[Lease],
+        store: SnapshotStore,
+        quota_bytes: Callable[[], int | None],
+    ) -> None:
+        self.servers = servers
+        self.leases = leases
+        self.store = store
+        self.quota_bytes = quota_bytes
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._servers()
+        yield from self._snapshots()
+
+    def _servers(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            PREFIX + "backend_up", "1 if the server answered its last probe, else 0", labels=["server"]
+        )
+        info = InfoMetricFamily(
+            PREFIX + "backend", "The server's kind and build, as its last probe reported", labels=["server"]
+        )
+        breaker = GaugeMetricFamily(
+            PREFIX + "breaker_state",
+            "The persistence circuit breaker's state: 1 on the current state, 0 on the others",
+            labels=["server", "state"],
+        )
+        leases = GaugeMetricFamily(
+            PREFIX + "leases_open", "Leases granted and not released", labels=["server"]
+        )
+        waiting = GaugeMetricFamily(
+            PREFIX + "acquires_waiting", "Acquires queued for a slot of the server", labels=["server"]
+        )
+        per_server = Counter(lease.server for lease in self.leases)
+        for name, srv in self.servers.items():
+            up.add_metric([name], 1.0 if srv.available else 0.0)
+            if srv.caps is not None:
+                build = (srv.caps.build_info or "unknown")[:_BUILD_LABEL_MAX]
+                info.add_metric([name], {"kind": srv.caps.kind, "build": build})
+            current = srv.breaker.state
+            for state in BreakerState:
+                breaker.add_metric([name, state.value], 1.0 if state is current else 0.0)
+            leases.add_metric([name], per_server.get(name, 0))
+            waiting.add_metric([name], sum(1 for _, _, fut in srv.waiters if not fut.done()))
+        return iter((up, info, breaker, leases, waiting))
+
+    def _snapshots(self) -> Iterator[Metric]:
+        count = GaugeMetricFamily(
+            PREFIX + "snapshots", "Snapshot identities known to the store", labels=["server"]
+        )
+        size = GaugeMetricFamily(
+            PREFIX + "snapshot_bytes", "Bytes of the snapshot files the store knows", labels=["server"]
+        )
+        quota = GaugeMetricFamily(
+            PREFIX + "snapshot_quota_bytes",
+            "retention.max_total_bytes, the limit retention keeps all snapshots under (no sample if unset)",
+        )
+        counts: dict[str, int] = dict.fromkeys(self.servers, 0)
+        sizes: dict[str, int] = dict.fromkeys(self.servers, 0)
+        for m in self.store.all():
+            counts[m.server] = counts.get(m.server, 0) + 1
+            sizes[m.server] = sizes.get(m.server, 0) + m.total_bytes
+        for server in sorted(counts):
+            count.add_metric([server], counts[server])
+            size.add_metric([server], sizes[server])
+        limit = self.quota_bytes()
+        if limit is not None:
+            quota.add_metric([], limit)
+        return iter((count, size, quota))

@@ -1,0 +1,1 @@
+"""The commented default configuration (`kvsidecar config init` writes config.yaml from here)."""

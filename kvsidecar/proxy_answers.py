@@ -1,0 +1,128 @@
+"""What the proxy says by itself: OpenAI-shaped errors, and the `X-KV-*` headers of a session's answer.
+
+Errors. Every answer the proxy makes up itself (a refused route, a bad body, llama-server down or silent, a
+body too large, no free slot, ...) has the shape OpenAI-compatible clients parse:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": null,
+               "code": "KV_PROXY_FORBIDDEN", "hint": "..."}}
+
+`code` is kvsidecar's stable code (`kvsidecar.errors`), the status its HTTP status, `type` OpenAI's word
+for that status; `hint` is ours (clients ignore a field they do not know). The openai SDK raises the class
+of the status (`PermissionDeniedError` for 403, ...) with `.code` set to our code. An error answer of
+llama-server itself is forwarded unchanged.
+
+Headers. A session's answer carries `X-KV-Outcome` and, whenever the session did not come back warm (or
+came back from an older generation), `X-KV-Reason`: a fixed token from `REASONS` below, never text from a
+client, a file or llama-server.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from starlette.responses import Response
+
+from kvsidecar.coordinator.core import INVALIDATED
+from kvsidecar.coordinator.state import AcquireResult, Outcome
+from kvsidecar.errors import HTTP_STATUS, KvError, ShuttingDown, SlotBusy, TooManyConnections, http_status
+from kvsidecar.store import fingerprint, manifest, table
+
+# OpenAI's error `type` for each status the proxy answers with (llama-server uses the same words).
+ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    502: "server_error",
+    503: "unavailable_error",
+    504: "timeout_error",
+}
+
+
+def openai_error(exc: KvError) -> dict[str, dict[str, str | None]]:
+    """The error body of `exc`, shaped as OpenAI's API shapes errors."""
+    return {
+        "error": {
+            "message": exc.message,
+            "type": ERROR_TYPES.get(http_status(exc), "server_error"),
+            "param": None,
+            "code": exc.code,
+            "hint": exc.hint,
+        }
+    }
+
+
+def error_answer(exc: KvError, headers: Mapping[str, str] | None = None) -> Response:
+    """A whole error answer: status, OpenAI-shaped JSON body, `Retry-After` where waiting helps."""
+    extra = {"retry-after": "1"} if isinstance(exc, SlotBusy | ShuttingDown | TooManyConnections) else {}
+    body = json.dumps(openai_error(exc), ensure_ascii=False, separators=(",", ":")).encode()
+    headers = {**extra, **(headers or {})}
+    return Response(body, status_code=http_status(exc), headers=headers, media_type="application/json")
+
+
+# -- X-KV-Reason ------------------------------------------------------------------------------------------
+# The coordinator's reasons in words (its log and `AcquireResult.reason`), as tokens.
+_WORDS: dict[str, str] = {
+    "circuit open": "CIRCUIT_OPEN",
+    "persistence unavailable": "PERSISTENCE_UNAVAILABLE",
+    "server restarted during restore": "SERVER_RESTARTED",
+    "unmanaged provider": "UNMANAGED",
+    "disabled": "DISABLED",
+    "previous generation": "PREVIOUS_GENERATION",  # "previous generation (<why the newest was not usable>)"
+}
+NO_SNAPSHOT = "NO_SNAPSHOT"  # cold, no reason given: nothing saved for this session (yet)
+RESTORE_DISABLED = "RESTORE_DISABLED"  # cold because restore.enabled is false
+OTHER = "OTHER"  # a reason this table does not know (a newer coordinator): never its text
+
+# Every token `X-KV-Reason` can carry: the coordinator's words above, the store's and the fingerprint's
+# reason codes (the same codes as the log, the metrics and `kvsidecar show`), and the error codes.
+REASONS: frozenset[str] = frozenset(
+    {
+        *_WORDS.values(),
+        NO_SNAPSHOT,
+        RESTORE_DISABLED,
+        OTHER,
+        INVALIDATED,
+        "FINGERPRINT_CHANGED",
+        *fingerprint.REASON_PRIORITY,
+        *fingerprint.REASONS.values(),
+        *fingerprint.SETTING_CLASSES.values(),
+        *(v for k, v in vars(table).items() if k.isupper() and isinstance(v, str)),
+        *(v for k, v in vars(manifest).items() if k.isupper() and isinstance(v, str) and v.isupper()),
+        *HTTP_STATUS,
+    }
+)
+WARM = frozenset({Outcome.RESIDENT, Outcome.RESTORED})
+
+
+def reason_token(result: AcquireResult, *, restore_enabled: bool = True) -> str | None:
+    """The `X-KV-Reason` of an acquire: None for a warm session with nothing to explain."""
+    reason = result.reason
+    if reason is None:
+        if result.outcome in WARM:
+            return None
+        if result.outcome is Outcome.COLD:
+            return NO_SNAPSHOT if restore_enabled else RESTORE_DISABLED
+        return OTHER
+    if reason in REASONS:
+        return reason
+    return _WORDS.get(reason.partition(" (")[0], OTHER)
+
+
+def kv_headers(result: AcquireResult, *, restore_enabled: bool = True) -> list[tuple[bytes, bytes]]:
+    """The `X-KV-*` headers of a session's answer."""
+    out = [(b"x-kv-outcome", result.outcome.value.encode())]
+    reason = reason_token(result, restore_enabled=restore_enabled)
+    if reason is not None:
+        out.append((b"x-kv-reason", reason.encode()))
+    if result.restored_tokens is not None:
+        out.append((b"x-kv-restored-tokens", str(result.restored_tokens).encode()))
+    if result.restore_ms is not None:
+        out.append((b"x-kv-restore-ms", f"{result.restore_ms:.1f}".encode()))
+    return out
