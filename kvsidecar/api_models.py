@@ -174,6 +174,7 @@ class CostView(BaseModel):
     restore_bytes_per_s: float | None
     prefill_tokens_per_s: float | None
     kv_bytes_per_token: float | None
+    think_median_s: float | None
 
 
 class ConfigView(BaseModel):

@@ -29,11 +29,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvsidecar.config import Config
-from kvsidecar.coordinator.costs import CostModel
+from kvsidecar.coordinator.costs import CostModel, median
 from kvsidecar.coordinator.pool import SlotPool, owner_slot
 from kvsidecar.coordinator.save import Saver
 from kvsidecar.coordinator.server import ServerRuntime
@@ -45,11 +45,7 @@ from kvsidecar.errors import KvError
 _MIN_CLEAN_AHEAD_S = 0.2
 _PROMPT_CLEAN_AHEAD_S = 0.01  # right after the release has been answered
 _THINK_SAMPLES_NEEDED = 2
-
-
-def _median(values: Iterable[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
+_SERVER_THINK_SAMPLES_NEEDED = 4
 
 
 _PROBE_KEY = "\0next-session"  # matches no session: pool.select() with it picks the next victim
@@ -89,7 +85,8 @@ class CheckpointPolicy:
         if rt is None:
             return None
         if rt.dirty and self.config.checkpoint.on_switch and not self._skip_save(srv, rt):
-            await self.saver.save(srv, slot, rt, trigger="switch", actions=result.actions)
+            # overlap: the commit (checksum, manifest) runs while the slot's next session restores
+            await self.saver.save(srv, slot, rt, trigger="switch", actions=result.actions, overlap=True)
         if rt.dirty:  # not saved (policy off or failure): that progress is gone from the slot
             rt.saved_revision = rt.dirty_revision
         self.sessions.apply(rt, SessionEvent.EVICTED)
@@ -133,6 +130,7 @@ class CheckpointPolicy:
 
     async def checkpoint_all(self, trigger: str) -> None:
         for rt in list(self.sessions.by_key.values()):
+            await self.saver.wait_commit(rt)  # a switch's commit left running by a cancelled acquire
             if rt.dirty:
                 with contextlib.suppress(KvError):
                     await self.checkpoint(rt, trigger)
@@ -198,12 +196,20 @@ class CheckpointPolicy:
         # waits at most that long again. When this session's think times are known to be much longer
         # than its save, its own request is unlikely to land during it: start as soon as it is released.
         delay_s = max(_MIN_CLEAN_AHEAD_S, save_s)
-        if len(rt.think_s) >= _THINK_SAMPLES_NEEDED and _median(rt.think_s) > 2 * save_s:
+        think = self._thinkmedian(rt)
+        if think is not None and think > 2 * save_s:
             delay_s = _PROMPT_CLEAN_AHEAD_S
         key, revision = rt.key, rt.dirty_revision
         rt.clean_timer = asyncio.get_running_loop().call_later(
             delay_s, lambda: self.spawn(self._clean_ahead_timer(key, revision))
         )
+
+    def _thinkmedian(self, rt: SessionRuntime) -> float | None:
+        """The session's own median think time once it has a few, else its server's (every session's)."""
+        if len(rt.think_s) >= _THINK_SAMPLES_NEEDED:
+            return median(rt.think_s)
+        server_think = self.costs.server(rt.identity.server).think_s
+        return median(server_think) if len(server_think) >= _SERVER_THINK_SAMPLES_NEEDED else None
 
     async def _clean_ahead_timer(self, key: str, revision: int) -> None:
         rt = self.sessions.get(key)

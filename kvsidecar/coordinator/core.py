@@ -244,6 +244,7 @@ class Coordinator:
                 if rt.released_at is not None:  # think time: from its last release to this acquire
                     think_s = self.monotonic() - rt.released_at
                     rt.think_s.append(think_s)
+                    self.costs.observe_think(srv.name, think_s)
                     self.telemetry.think(srv.name, think_s)
                     rt.released_at = None
                 with self.sessions.busy_with(rt.key):
@@ -267,8 +268,11 @@ class Coordinator:
     async def _prepare_aux(self, srv: ServerRuntime, slot: Slot) -> AcquireResult:
         """Spec §72: checkpoint the owner, then the slot belongs to no session."""
         result = AcquireResult(outcome=Outcome.COLD, reason="auxiliary")
+        evicted = self.sessions.get(slot.owner)
         if slot.owner is not None:
             result.evicted = await self.checkpoints.evict(srv, slot, result)
+        if evicted is not None:  # its save's commit, overlapped with nothing here
+            await Saver.wait_commit(evicted)
         slot.owner, slot.holds_aux = None, True
         return result
 
@@ -280,10 +284,14 @@ class Coordinator:
         if slot.owner == rt.key:
             return AcquireResult(outcome=Outcome.RESIDENT)
         result = AcquireResult(outcome=Outcome.COLD)
+        evicted = self.sessions.get(slot.owner)
         if slot.owner is not None:
             result.evicted = await self.checkpoints.evict(srv, slot, result)
         self.telemetry.switch(srv.name, slot.id, rt, result.evicted)
+        await Saver.wait_commit(rt)  # its own last save may still be committing (evicted just before)
         await self.restorer.load(srv, slot, rt, result)
+        if evicted is not None:  # the evicted session's commit ran while this one restored
+            await Saver.wait_commit(evicted)
         slot.owner, slot.holds_aux = rt.key, False
         self.telemetry.loaded(srv.name, slot.id, rt, result)
         return result

@@ -5,7 +5,8 @@
 - KV bytes per token, from the same saves and restores;
 - prefill speed, from the `prompt_ms` the harness (or the proxy, from llama-server's timings) reports at
   release with the number of tokens computed;
-- each session's think time: from a release to the session's next acquire.
+- think times: from a release to the session's next acquire, per session (state.SessionRuntime.think_s)
+  and for the server as a whole (the prior for a session that has too few of its own yet).
 
 Each figure is an exponentially weighted mean (alpha 0.3) of what was seen, so a model follows a slower
 disk or a busier machine within a few operations. A prediction is None until its inputs have been seen:
@@ -15,11 +16,17 @@ a policy that needs one it does not have falls back to today's behaviour (save b
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 _ALPHA = 0.3
-_THINK_SAMPLES = 16
+_THINK_SAMPLES = 64  # the server's recent think times, every session's
+
+
+def median(values: Iterable[float]) -> float | None:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else None
 
 
 @dataclass
@@ -38,6 +45,7 @@ class ServerCosts:
     restore_bytes_per_s: Ewma = field(default_factory=Ewma)
     prefill_tokens_per_s: Ewma = field(default_factory=Ewma)
     kv_bytes_per_token: Ewma = field(default_factory=Ewma)
+    think_s: deque[float] = field(default_factory=lambda: deque(maxlen=_THINK_SAMPLES))
 
     def save_s(self, tokens: int) -> float | None:
         """Predicted time to save a slot holding `tokens`."""
@@ -61,21 +69,8 @@ class ServerCosts:
             "restore_bytes_per_s": r(self.restore_bytes_per_s),
             "prefill_tokens_per_s": r(self.prefill_tokens_per_s),
             "kv_bytes_per_token": r(self.kv_bytes_per_token),
+            "think_median_s": median(self.think_s),
         }
-
-
-@dataclass
-class ThinkTimes:
-    """A session's recent gaps between a release and its next acquire (seconds)."""
-
-    samples: deque[float] = field(default_factory=lambda: deque(maxlen=_THINK_SAMPLES))
-    released_at: float | None = None
-
-    def median_s(self) -> float | None:
-        if not self.samples:
-            return None
-        ordered = sorted(self.samples)
-        return ordered[len(ordered) // 2]
 
 
 class CostModel:
@@ -101,6 +96,9 @@ class CostModel:
     def observe_prefill(self, server: str, *, tokens: int, ms: float) -> None:
         if tokens > 0 and ms > 0:
             self.server(server).prefill_tokens_per_s.update(tokens / (ms / 1000.0))
+
+    def observe_think(self, server: str, seconds: float) -> None:
+        self.server(server).think_s.append(seconds)
 
     def view(self) -> dict[str, dict[str, Any]]:
         return {name: costs.view() for name, costs in self.servers.items()}

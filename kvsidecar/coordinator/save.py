@@ -12,9 +12,12 @@ Coalescing (spec §27): a session whose saved revision equals its dirty one is n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from kvsidecar.backend.base import SaveResult
 from kvsidecar.config import Config
@@ -26,7 +29,21 @@ from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
 from kvsidecar.coordinator.state import SessionRuntime, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import KvError, SaveFailed
+from kvsidecar.store.fingerprint import RuntimeFingerprint
 from kvsidecar.store.snapshots import SavePlan, SnapshotStore
+
+
+@dataclass(frozen=True)
+class _Written:
+    """A save llama-server has written and the runtime bracket has vouched for: what the commit needs."""
+
+    plan: SavePlan
+    saved: SaveResult
+    fingerprint: RuntimeFingerprint
+    revision: int
+    trigger: str
+    started: float
+    resident: bool
 
 
 class Saver:
@@ -60,30 +77,65 @@ class Saver:
         *,
         trigger: str,
         actions: list[str] | None = None,
+        overlap: bool = False,
     ) -> bool:
-        """Checkpoint the slot into the session's next generation. True if saved (or nothing to save)."""
+        """Checkpoint the slot into the session's next generation. True if saved (or nothing to save).
+
+        `overlap` (a switch's save): once llama-server has written the file and the closing bracket held,
+        return, and let the commit (checksum, manifest) finish in `rt.pending_commit` while the caller
+        restores the slot's next session; True then means "written, being committed". The session stays
+        busy until the commit ends, and its own next acquire waits for it (`wait_commit`). Not in strict
+        mode (its caller must see the failure) nor for a half-open breaker's trial."""
         if not rt.dirty:
             return True
         trial = srv.breaker.state is BreakerState.HALF_OPEN
         if srv.fingerprint is None or not srv.available or not srv.breaker.allow():
             self.telemetry.save_refused(srv.name, "KV_BACKEND_UNAVAILABLE")
             return False
-        try:
-            with self.sessions.busy_with(rt.key):
-                return await self._save(srv, slot, rt, trigger=trigger, actions=actions)
-        finally:
-            if trial:  # this call held the half-open trial
-                srv.breaker.end_trial()
+        overlap = overlap and not trial and not self.config.failure.strict
+        with contextlib.ExitStack() as busy:
+            busy.enter_context(self.sessions.busy_with(rt.key))
+            try:
+                commit = await self._write(srv, slot, rt, trigger=trigger)
+                if commit is None:
+                    return False
+                if overlap:  # the commit owns the busy mark from here on
+                    rt.pending_commit = asyncio.get_running_loop().create_task(
+                        self._commit_later(busy.pop_all(), commit)
+                    )
+                    if actions is not None:
+                        actions.append(f"save {rt.identity.short}")
+                    return True
+                saved = await commit
+                if saved and actions is not None:
+                    actions.append(f"save {rt.identity.short}")
+                return saved
+            finally:
+                if trial:  # this call held the half-open trial
+                    srv.breaker.end_trial()
 
-    async def _save(
-        self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, *, trigger: str, actions: list[str] | None
-    ) -> bool:
+    async def _commit_later(self, busy: contextlib.ExitStack, commit: Coroutine[Any, Any, bool]) -> bool:
+        with busy:
+            return await commit
+
+    @staticmethod
+    async def wait_commit(rt: SessionRuntime) -> None:
+        """The session's overlapped commit, if one is running: wait for it (never cancelling it)."""
+        task = rt.pending_commit
+        if task is not None and not task.done():
+            await asyncio.wait([task])
+
+    async def _write(
+        self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, *, trigger: str
+    ) -> Coroutine[Any, Any, bool] | None:
+        """Have llama-server write the slot into the session's next generation, bracketed by the runtime
+        check; returns the commit still to run, or None if nothing was written (already handled)."""
         fingerprint, epoch, revision = srv.fingerprint, srv.epoch, rt.dirty_revision
         resident = slot.owner == rt.key
         if not await self.guard.same_runtime(srv) or srv.epoch != epoch or srv.fingerprint != fingerprint:
             # The server restarted since this slot was filled: its content is gone, nothing to save.
             self.telemetry.save_refused(srv.name, "KV_SERVER_RESTARTED")
-            return False
+            return None
         assert fingerprint is not None
         self.sessions.apply(rt, SessionEvent.SAVE_BEGIN)
         self.telemetry.save_start(rt, trigger, slot.id)
@@ -97,30 +149,58 @@ class Saver:
             # The closing bracket: a file written by another instance is not this session's KV.
             if not await self.guard.same_runtime(srv) or srv.epoch != epoch or srv.fingerprint != fingerprint:
                 raise SaveFailed("llama-server restarted during the save; the file is discarded")
+        except BaseException as exc:
+            await self._aborted(srv, slot, rt, plan, exc, trigger, resident=resident)
+            return None
+        step = _Written(plan, saved, fingerprint, revision, trigger, started, resident)
+        return self._commit(srv, slot, rt, step)
+
+    async def _commit(self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, step: _Written) -> bool:
+        """Check, hash and record the written file; only then does the manifest point at it."""
+        try:
             await asyncio.to_thread(
                 self.store.commit_save,
-                plan,
-                saved,
-                fingerprint=fingerprint,
-                revision=revision,
+                step.plan,
+                step.saved,
+                fingerprint=step.fingerprint,
+                revision=step.revision,
                 session_seq=rt.seq,
             )
-        except KvError as exc:
-            await self._failed(srv, slot, rt, plan, exc, trigger)
+        except BaseException as exc:
+            await self._aborted(srv, slot, rt, step.plan, exc, step.trigger, resident=step.resident)
             return False
-        except BaseException:  # cancelled: no half-written file left behind, no session stuck in SAVING
-            if plan is not None:  # a cancelled task cannot wait for a thread: the deletion runs on its own
-                asyncio.get_running_loop().run_in_executor(
-                    None, partial(self.store.abort_save, plan, discard=True)
-                )
-            self._after_save()
-            self.sessions.apply(rt, SessionEvent.SAVE_FAILED, resident=resident)
-            raise
-        rt.base_generation = plan.generation
-        self._saved(srv, slot, rt, saved, revision=revision, trigger=trigger, started=started)
-        if actions is not None:
-            actions.append(f"save {rt.identity.short}")
+        finally:
+            if rt.pending_commit is not None and rt.pending_commit is asyncio.current_task():
+                rt.pending_commit = None
+        rt.base_generation = step.plan.generation
+        self._saved(
+            srv, slot, rt, step.saved, revision=step.revision, trigger=step.trigger, started=step.started
+        )
         return True
+
+    async def _aborted(
+        self,
+        srv: ServerRuntime,
+        slot: Slot,
+        rt: SessionRuntime,
+        plan: SavePlan | None,
+        exc: BaseException,
+        trigger: str,
+        *,
+        resident: bool,
+    ) -> None:
+        """A failed save (KvError: recorded, and re-raised in strict mode) or a cancelled one (re-raised):
+        no half-written file left behind, no session stuck in SAVING."""
+        if isinstance(exc, KvError):
+            await self._failed(srv, slot, rt, plan, exc, trigger)
+            return
+        if plan is not None:  # a cancelled task cannot wait for a thread: the deletion runs on its own
+            asyncio.get_running_loop().run_in_executor(
+                None, partial(self.store.abort_save, plan, discard=True)
+            )
+        self._after_save()
+        self.sessions.apply(rt, SessionEvent.SAVE_FAILED, resident=resident)
+        raise exc
 
     async def _failed(
         self,

@@ -60,6 +60,9 @@ class SessionRuntime:
     released_at: float | None = None  # monotonic, for the think time between release and next acquire
     think_s: deque[float] = field(default_factory=lambda: deque(maxlen=16))  # its recent think times
     clean_timer: asyncio.TimerHandle | None = None  # a pending clean-ahead check
+    # The commit (checksum + manifest) of a switch's save, still running while the slot's next session
+    # restores (save.py `overlap`): the session's own next acquire waits for it.
+    pending_commit: asyncio.Task[bool] | None = None
 
     @property
     def key(self) -> str:

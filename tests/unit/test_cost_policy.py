@@ -210,6 +210,27 @@ async def test_long_think_times_start_the_clean_ahead_right_after_the_release(h:
     assert rt.clean_timer is not None and rt.clean_timer.when() - loop.time() < 0.05
 
 
+async def test_a_new_session_borrows_its_servers_think_times(h: Harness) -> None:
+    """A session with too few think times of its own uses every session's on its server: when those are far
+    longer than a save, its clean ahead starts right after its first releases too."""
+    for s in ("A", "B", "A"):
+        await h.turn(s)
+    rt = rt_of(h, "A")
+    loop = asyncio.get_running_loop()
+    assert len(rt.think_s) < 2 and rt.clean_timer is not None
+    assert rt.clean_timer.when() - loop.time() > 0.1  # nothing known: ski rental
+    for seconds in (30.0, 45.0, 60.0, 20.0):  # other sessions on this server think for long
+        h.coordinator.costs.observe_think("local", seconds)
+    h.coordinator.checkpoints.touched(rt)
+    assert rt.clean_timer is not None and rt.clean_timer.when() - loop.time() < 0.05
+    assert (
+        h.coordinator.status()["cost_model"]["local"]["think_median_s"] == 30.0
+    )  # A's own (short) one counts too
+    rt.think_s.extend([0.0, 0.0])  # but its own, once it has them, win: it comes back at once
+    h.coordinator.checkpoints.touched(rt)
+    assert rt.clean_timer is not None and rt.clean_timer.when() - loop.time() > 0.1
+
+
 async def test_cost_estimates_are_read_at_scrape_time(h: Harness) -> None:
     """Every learned figure is in /metrics as it is now, the prefill speed included (it has no save of its
     own to publish it)."""
