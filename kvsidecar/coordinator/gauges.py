@@ -26,6 +26,10 @@ COST_GAUGES: dict[str, tuple[str, str]] = {
     "restore_bytes_per_s": ("cost_restore_bytes_per_second", "Learned restore throughput"),
     "prefill_tokens_per_s": ("cost_prefill_tokens_per_second", "Learned prefill speed"),
     "kv_bytes_per_token": ("cost_kv_bytes_per_token", "Learned size of one token's KV in a snapshot"),
+    "think_median_s": (
+        "cost_think_median_seconds",
+        "Median think time (a release to that session's next acquire) over the server's recent sessions",
+    ),
 }
 _BUILD_LABEL_MAX = 120  # llama-server's build string is the server's to choose: keep the label bounded
 
