@@ -141,6 +141,15 @@ class SetupWarningView(BaseModel):
     fix: str
 
 
+class PersistenceNow(BaseModel):
+    state: Literal["healthy", "off", "unavailable", "degraded", "misconfigured"]
+    reason: str | None = Field(
+        description="DISABLED, SERVER_DOWN, NO_SLOTS_ENDPOINT, CIRCUIT_DEGRADED, CIRCUIT_OPEN, "
+        "CIRCUIT_HALF_OPEN, or a setup "
+        "warning's code (KV_SAVE_PATH_MISMATCH); null when healthy"
+    )
+
+
 class ServerView(BaseModel):
     name: str
     kind: str
@@ -148,6 +157,9 @@ class ServerView(BaseModel):
     mode: Mode
     available: bool
     persistence: BreakerState = Field(description="the persistence circuit breaker's state")
+    persistence_now: PersistenceNow = Field(
+        description="what persistence can do on this server now, from its whole state (use this one)"
+    )
     slots_endpoint: bool | None = Field(
         description="GET /slots answers (llama-server --slots); null until the server was reached"
     )
@@ -181,6 +193,22 @@ class ConfigView(BaseModel):
     pending_restart: list[str]
 
 
+class FleetView(BaseModel):
+    """Fleet mode (docs/FLEET.md), as this host's last heartbeat saw it; no Redis call is made for it."""
+
+    host_id: str
+    advertise_url: str
+    redis: str = Field(description="the Redis URL, any password replaced by ***")
+    redis_up: bool
+    ping_ms: float | None
+    leader: bool = Field(description="this host holds the fleet's leader lease")
+    hosts: list[str] = Field(description="live host ids (empty while Redis is down)")
+    resident_sessions: int
+    heartbeat_age_s: float | None = Field(description="since the last successful heartbeat")
+    publish_queue: int
+    publish_dropped: int
+
+
 class StatusResponse(BaseModel):
     enabled: bool
     servers: list[ServerView]
@@ -190,6 +218,7 @@ class StatusResponse(BaseModel):
     stats: dict[str, int]
     cost_model: dict[str, CostView]
     config: ConfigView
+    fleet: Absent[FleetView] = Field(description="present when fleet.enabled")
 
 
 # -- doctor and gc -----------------------------------------------------------------------------------------

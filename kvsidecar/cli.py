@@ -24,7 +24,8 @@ from typing import Any, TypeAlias
 import httpx
 
 from kvsidecar import __version__
-from kvsidecar.cli_config import add_config_commands
+from kvsidecar.cli_config import add_config_commands, config_arg
+from kvsidecar.cli_fleet import add_fleet_commands
 from kvsidecar.cli_systemd import add_install_systemd
 from kvsidecar.cli_text import render_doctor, render_gc, render_sessions, render_show, render_status
 from kvsidecar.cli_text import table as table  # re-exported: tests import it from here
@@ -250,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-c",
         "--config",
-        type=Path,
+        type=config_arg,  # a str: `config init -c DIR/` must see the trailing slash to refuse it
         default=None,
         help="config file (default: $KVSIDECAR_CONFIG, else the first of ~/.config/kvsidecar/config.yaml "
         "and /etc/kvsidecar/config.yaml that exists, else the built-in defaults)",
@@ -296,6 +297,7 @@ def _add_maintenance_commands(sub: _Commands) -> None:
     )
     p.add_argument("--offline", action="store_true", help="check directly, without asking the daemon")
     add_config_commands(sub)  # config init / check / schema (cli_config)
+    add_fleet_commands(sub)  # fleet status (cli_fleet)
 
 
 def _add_install_commands(sub: _Commands) -> None:

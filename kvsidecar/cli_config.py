@@ -25,6 +25,7 @@ from kvsidecar.store.atomic import atomic_write_bytes
 _Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 CONFIG_MODE = 0o640  # the service's group may read it; it names paths and token files, not secrets
+DIR_MODE = 0o750  # a directory `config init --path` creates for it
 SCHEMA_ID = "https://json-schema.org/draft/2020-12/schema"
 
 
@@ -49,13 +50,70 @@ def schema_text() -> str:
     return json.dumps(schema(), indent=2, sort_keys=True) + "\n"
 
 
+def expand_tilde(text: str, what: str) -> str:
+    """A leading `~` or `~user` expanded as a shell would: the path may reach us quoted, from a tool or
+    from an environment variable, and a file named `~` in the working directory is an `rm -rf ~` waiting
+    to happen. One that cannot be expanded (no $HOME, no such user) is refused. `~` elsewhere is kept."""
+    if not text.startswith("~"):
+        return text
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):
+        raise ConfigError(
+            f"{what} {text!r}: its leading '~' cannot be expanded (no $HOME, or no such user)",
+            hint="Give the path without '~' (absolute, or ./~ for a file really named so).",
+        )
+    return expanded
+
+
+def config_arg(text: str) -> str:
+    """-c FILE, kept as typed (a Path would drop a trailing slash) but for a leading `~` (expand_tilde);
+    an empty one is a usage error."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty path")
+    try:
+        return expand_tilde(text, "-c")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+
+
+def _names_a_directory(text: str) -> bool:
+    return text.endswith(os.sep) or Path(text).is_dir()
+
+
 def init_path(args: argparse.Namespace, env: dict[str, str] | os._Environ[str]) -> Path:
     """--path, else -c, else $KVSIDECAR_CONFIG, else where `check` and `serve` look first for this user:
-    /etc/kvsidecar/config.yaml for root, ($XDG_CONFIG_HOME or ~/.config)/kvsidecar/config.yaml otherwise."""
-    chosen = args.path or args.config or env.get("KVSIDECAR_CONFIG")
+    /etc/kvsidecar/config.yaml for root, ($XDG_CONFIG_HOME or ~/.config)/kvsidecar/config.yaml otherwise.
+    A --path that ends with a separator or names an existing directory means DIR/config.yaml; -c and
+    $KVSIDECAR_CONFIG name the file itself (check and serve read it), so a directory there is refused."""
+    if args.path is not None:
+        if not args.path:
+            raise ConfigError("--path is empty", hint="Name a file, or a directory ending with /.")
+        args.path = expand_tilde(args.path, "--path")
+        return Path(args.path) / "config.yaml" if _names_a_directory(args.path) else Path(args.path)
+    chosen = args.config or expand_tilde(env.get("KVSIDECAR_CONFIG", ""), "$KVSIDECAR_CONFIG")
+    if chosen and _names_a_directory(str(chosen)):
+        raise ConfigError(
+            f"{chosen}: names a directory, but -c and $KVSIDECAR_CONFIG name the config file itself",
+            hint=f"Use --path {str(chosen).rstrip(os.sep)}/ to write config.yaml inside it.",
+        )
     if chosen:
         return Path(chosen)
     return DEFAULT_CONFIG_PATH if os.geteuid() == 0 else config_search_paths(env)[0]
+
+
+def _make_parent(path: Path, *, only_last: bool) -> None:
+    """An explicit --path gets at most its own directory made (0750, the config's group may enter it):
+    a missing grandparent is more likely a typo than a tree to create. The default location is made
+    whole (a new user may not have ~/.config yet)."""
+    if only_last and not path.parent.is_dir() and not path.parent.parent.is_dir():
+        raise ConfigError(
+            f"{path.parent.parent}: no such directory; only the last directory of --path is created",
+            hint="Create the directories above it first, or choose another --path.",
+        )
+    if only_last:
+        path.parent.mkdir(exist_ok=True, mode=DIR_MODE)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
 
 
 def cmd_config_init(args: argparse.Namespace) -> int:
@@ -65,7 +123,7 @@ def cmd_config_init(args: argparse.Namespace) -> int:
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise ConfigError(f"{path}: not a regular file; refusing to replace it")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        _make_parent(path, only_last=args.path is not None)
         atomic_write_bytes(path, default_config_text(), mode=CONFIG_MODE)
         os.chmod(path, CONFIG_MODE)  # the umask may have taken bits off at create
     except OSError as exc:
@@ -77,7 +135,9 @@ def cmd_config_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def _source_note(source_path: Path | None, searched: tuple[Path, ...]) -> str:
+def _source_note(source_path: Path | None, searched: tuple[Path, ...], *, empty: bool = False) -> str:
+    if source_path is not None and empty:
+        return f"config file: {source_path.absolute()} sets no keys: using the built-in defaults"
     if source_path is not None:
         return f"config file: {source_path.absolute()}"
     where = ", ".join(str(p) for p in searched)
@@ -97,7 +157,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
             print(f"  {line}", file=sys.stderr)
         return 2
     read_token(config)  # serve refuses a missing, unreadable or short token file: so does check
-    note = _source_note(source.path, source.searched)
+    note = _source_note(source.path, source.searched, empty=source.empty)
     for warning in config.deprecations():
         print(f"kvsidecar: warning: {warning}", file=sys.stderr)
     if args.json:
@@ -125,9 +185,10 @@ def add_config_commands(sub: _Commands) -> None:
     )
     init.add_argument(
         "--path",
-        type=Path,
-        help="where to write (default: -c, $KVSIDECAR_CONFIG, or the "
-        "first place check/serve look: /etc/kvsidecar/config.yaml as root, else ~/.config)",
+        help="where to write; a directory (DIR/, or one that exists) means DIR/config.yaml, and only "
+        "its last directory is created (0750); a leading ~ is expanded as a shell would (default: -c, "
+        "$KVSIDECAR_CONFIG, or the first place check/serve look: /etc/kvsidecar/config.yaml as root, "
+        "else ~/.config)",
     )
     init.add_argument("--force", action="store_true", help="replace an existing file")
     init.set_defaults(func=cmd_config_init)

@@ -24,20 +24,41 @@ def human_bytes(n: float) -> str:
     return str(n)
 
 
-def persistence_state(srv: dict[str, Any], enabled: bool = True) -> str:
-    """What persistence can do on this server now, from its real state (not the breaker's alone)."""
+def _older_persistence_state(srv: dict[str, Any], enabled: bool) -> str:
+    """A daemon from before `persistence_now` (upgraded, not yet restarted): derived from the other fields."""
     if not enabled:
         return "persistence OFF (enabled: false)"
-    if not srv["available"]:
+    if not srv.get("available", False):
         error = f": {srv['last_error']}" if srv.get("last_error") else ""
         return f"persistence UNAVAILABLE (server down{error})"
     if srv.get("slots_endpoint") is False:
         return "persistence UNAVAILABLE (llama-server runs without --slots)"
-    if srv["persistence"] != "healthy":
-        return f"persistence {srv['persistence'].upper()} (circuit breaker)"
-    if srv.get("warnings"):
-        return f"persistence MISCONFIGURED ({srv['warnings'][0]['code']}, see the warning)"
+    if (breaker := str(srv.get("persistence", "unknown"))) != "healthy":
+        return f"persistence {breaker.upper()} (circuit breaker)"
+    if warnings := srv.get("warnings"):
+        return f"persistence MISCONFIGURED ({warnings[0].get('code', '?')}, see the warning)"
     return "persistence healthy"
+
+
+def persistence_state(srv: dict[str, Any], enabled: bool = True) -> str:
+    """What persistence can do on this server now (the daemon's `persistence_now`), in words. `enabled`
+    (the status's top-level flag) is only read for an older daemon that does not send `persistence_now`."""
+    now = srv.get("persistence_now")
+    if not isinstance(now, dict):
+        return _older_persistence_state(srv, enabled)
+    reason = now["reason"]
+    if reason == "DISABLED":
+        return "persistence OFF (enabled: false)"
+    if reason == "SERVER_DOWN":
+        error = f": {srv['last_error']}" if srv.get("last_error") else ""
+        return f"persistence UNAVAILABLE (server down{error})"
+    if reason == "NO_SLOTS_ENDPOINT":
+        return "persistence UNAVAILABLE (llama-server runs without --slots)"
+    if now["state"] == "degraded":
+        return f"persistence {srv['persistence'].upper()} (circuit breaker)"
+    if now["state"] == "misconfigured":
+        return f"persistence MISCONFIGURED ({reason}, see the warning)"
+    return f"persistence {now['state']}"
 
 
 def render_status(s: dict[str, Any]) -> str:

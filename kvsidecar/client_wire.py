@@ -121,8 +121,24 @@ def _sessions(data: Any) -> list[dict[str, Any]]:
     return [_object(s) for s in sessions]
 
 
+def segment(value: str) -> str:
+    """`value` as exactly one path segment: every reserved byte escaped, and `.`/`..` too (an HTTP client
+    would fold them into the path: session ".." would become a request to another route)."""
+    escaped = quote(value, safe="")
+    return escaped.replace(".", "%2E") if escaped in {".", ".."} else escaped
+
+
+def _nonempty(value: str, *, status: int, code: str, what: str) -> str:
+    """An empty id would be an empty path segment (`/v1/sessions//save`), a route the daemon does not have:
+    refused here with the code the daemon gives a bad id, and nothing is sent."""
+    if value == "":
+        raise SidecarError(status=status, code=code, message=f"{what} is empty")
+    return value
+
+
 def _session_path(session_id: str, action: str = "") -> str:
-    return f"/v1/sessions/{quote(session_id, safe='')}" + (f"/{action}" if action else "")
+    sid = _nonempty(session_id, status=400, code="KV_INVALID_SESSION_ID", what="the session id")
+    return f"/v1/sessions/{segment(sid)}" + (f"/{action}" if action else "")
 
 
 def _optional(**values: Any) -> dict[str, Any]:
@@ -158,7 +174,8 @@ def release(
     body = {"status": status} | _optional(
         prompt_ms=prompt_ms, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens
     )
-    return Call("POST", f"/v1/leases/{quote(lease_id, safe='')}/release", body, _object)
+    lease = _nonempty(lease_id, status=404, code="KV_LEASE_NOT_FOUND", what="the lease id")
+    return Call("POST", f"/v1/leases/{segment(lease)}/release", body, _object)
 
 
 def release_of(lease: Lease, *, completed: bool) -> Call[dict[str, Any]] | None:

@@ -14,13 +14,13 @@ import copy
 import ipaddress
 import os
 import re
+import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -36,7 +36,7 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 
 from kvsidecar.config_errors import ConfigInvalid, config_problems
-from kvsidecar.errors import ConfigError
+from kvsidecar.config_yaml import read_mapping
 
 DEFAULT_CONFIG_PATH = Path("/etc/kvsidecar/config.yaml")
 
@@ -246,6 +246,54 @@ class ProxyConfig(_Listener):
     upstream_timeout_s: float = Field(default=600.0, gt=0)
 
 
+HOST_ID = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")  # it names Redis keys: no separators, no spaces
+_REDIS_URL = re.compile(r"\A(?:rediss?://[^/\s]+(?:/\d{1,5})?/?|unix:///\S+)\Z")
+
+
+def _host_id(value: str) -> str:
+    if not HOST_ID.match(value):
+        raise ValueError("must be 1-64 characters of A-Z a-z 0-9 . _ -")
+    return value
+
+
+def _redis_url(value: str) -> str:
+    # The value is never echoed: it may carry a password.
+    if not _REDIS_URL.match(value):
+        raise ValueError("must be redis://[user:password@]host[:port][/db], rediss://... or unix:///path")
+    return value
+
+
+class FleetConfig(_Model):
+    """Fleet mode (docs/FLEET.md): several hosts share a snapshot filesystem, coordinated through Redis.
+    Off by default; then nothing of it is imported or started."""
+
+    enabled: bool = False
+    # Credentials in it are never logged or shown (kvsidecar.fleet.redacted).
+    redis_url: Annotated[str, AfterValidator(_redis_url)] = Field(
+        default="redis://127.0.0.1:6379/0", repr=False
+    )
+    host_id: Annotated[str, AfterValidator(_host_id)] | None = None  # null: this machine's hostname
+    # This kvsidecar's hook API as the other hosts reach it (null: http://<api.listen>)
+    advertise_url: BaseUrl | None = None
+    key_prefix: Annotated[str, AfterValidator(_host_id)] = "kvsidecar"  # two fleets may share a Redis
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    host_ttl_s: float = Field(default=6.0, gt=0)  # a host whose record is older than this is gone
+    owner_lease_ttl_s: float = Field(default=30.0, gt=0)
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.host_ttl_s <= self.heartbeat_s:
+            out.append("fleet.host_ttl_s: must be longer than fleet.heartbeat_s (a live host would expire)")
+        if self.owner_lease_ttl_s <= self.heartbeat_s:
+            out.append("fleet.owner_lease_ttl_s: must be longer than fleet.heartbeat_s")
+        if self.host_id is None and not HOST_ID.match(socket.gethostname()):
+            out.append("fleet.host_id: this machine's hostname is not a valid host id; set one")
+        return out
+
+    def effective_host_id(self) -> str:
+        return self.host_id if self.host_id is not None else socket.gethostname()
+
+
 class LoggingConfig(_Model):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["text", "json"] = "text"
@@ -264,6 +312,7 @@ class Config(_Model):
     api: ApiConfig = ApiConfig()
     proxy: ProxyConfig = ProxyConfig()
     logging: LoggingConfig = LoggingConfig()
+    fleet: FleetConfig = FleetConfig()
     # Removed keys the file still set (see REMOVED_KEYS): not a field, so never dumped as a setting.
     _ignored: tuple[str, ...] = PrivateAttr(default=())
 
@@ -290,7 +339,22 @@ class Config(_Model):
         out += self.bind_problems("api")
         if self.proxy.enabled:
             out += self._proxy_problems(known) + self.bind_problems("proxy")
+        if self.fleet.enabled:
+            out += self.fleet.problems() + self._advertise_problems()
         return out
+
+    def _advertise_problems(self) -> list[str]:
+        host = self.api.host
+        if self.fleet.advertise_url is None and host in ("0.0.0.0", "::", ""):
+            return [f"fleet.advertise_url: required when api.listen is the wildcard {host!r}"]
+        return []
+
+    def advertise_url(self) -> str:
+        """The hook API as the fleet's other hosts reach it."""
+        if self.fleet.advertise_url is not None:
+            return self.fleet.advertise_url
+        host = self.api.host
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.api.port}"
 
     def _proxy_problems(self, known: list[str]) -> list[str]:
         proxy = self.proxy
@@ -399,6 +463,7 @@ class ConfigSource:
     path: Path | None
     named: bool  # given with -c or $KVSIDECAR_CONFIG (then it must exist)
     searched: tuple[Path, ...] = ()  # the places looked at when none was named
+    empty: bool = False  # the file sets no key (empty, only comments): every value is a default
 
 
 def find_config(path: Path | str | None = None, *, env: Mapping[str, str] | None = None) -> ConfigSource:
@@ -409,31 +474,15 @@ def find_config(path: Path | str | None = None, *, env: Mapping[str, str] | None
     return ConfigSource(path=next((p for p in searched if p.exists()), None), named=False, searched=searched)
 
 
-def _read_file(chosen: Path) -> dict[str, Any]:
-    try:
-        loaded = yaml.safe_load(chosen.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{chosen}: no such config file") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{chosen}: not valid YAML{where}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{chosen}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"{chosen}: the top level must be a mapping of keys")
-    return loaded
-
-
 def read_config(
     path: Path | str | None = None, *, env: Mapping[str, str] | None = None
 ) -> tuple[Config, ConfigSource]:
     """The config and where it came from (`config check` says when the built-in defaults were used)."""
     environ = os.environ if env is None else env
     source = find_config(path, env=environ)
-    data = _read_file(source.path) if source.path is not None else {}
+    data = read_mapping(source.path) if source.path is not None else {}
+    if source.path is not None and not data:
+        source = replace(source, empty=True)
     if token_file := environ.get("KVSIDECAR_TOKEN_FILE"):
         data = {**data, "api": {**(data.get("api") or {}), "token_file": token_file}}
     if state_dir := environ.get("KVSIDECAR_STATE_DIR"):

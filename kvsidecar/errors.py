@@ -225,7 +225,8 @@ class ListenInUse(KvError):
 
 
 class UnitPathUnsafe(KvError):
-    """`install-systemd`: a configured path the units' sandbox would hide (PrivateTmp=, ProtectHome=)."""
+    """`install-systemd`: a path the units' sandbox would hide (PrivateTmp=, ProtectHome=), or one they
+    cannot use (relative, unparseable by systemd, nested, a socket directory that cannot be writable)."""
 
     code = "KV_UNIT_PATH_UNSAFE"
     default_hint = "Use paths under /var/lib (and binaries under /usr/local), or pass --force."

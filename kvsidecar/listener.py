@@ -17,6 +17,12 @@ httptools protocol with four limits per listener (`api.*` / `proxy.*` in the con
   refused (503 `KV_TOO_MANY_CONNECTIONS` with `Retry-After`, closed). So a flood of half-sent requests
   cannot keep /healthz (or anything else) out, and the listener never holds more descriptors than its cap.
 
+A request the HTTP parser refuses (a bad request line or header, two Content-Lengths, broken chunked
+framing) is answered 400 `KV_BAD_REQUEST` in the listener's error shape and the connection closed, in place
+of uvicorn's plain-text 400. On a pipelined connection the answers to the requests before it go out whole
+first (a bad request queued behind them never reaches the app), and the 400 follows them; it is never
+written into another answer. Every canned answer is `_canned` in the listener's shape (the proxy's: OpenAI's).
+
 Every limit is a timer armed and disarmed on events the protocol sees anyway (two `call_later` per
 request), so the hook fast path pays a few microseconds (measured: bench_hooks p50 +0.01-0.02 ms).
 """
@@ -31,9 +37,9 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from kvsidecar.errors import KvError, RequestTimeout, TooManyConnections, http_status
+from kvsidecar.errors import BadRequest, KvError, RequestTimeout, TooManyConnections, http_status
 from kvsidecar.logs import event
 
 log = logging.getLogger("kvsidecar.listener")
@@ -59,6 +65,13 @@ def _refused() -> KvError:
 
 def _timed_out() -> KvError:
     return RequestTimeout("the request head did not arrive in time")
+
+
+def _malformed() -> KvError:
+    return BadRequest(
+        "malformed HTTP request (request line, header, Content-Length or chunked framing)",
+        hint="Send one well-formed HTTP/1.1 request; the connection was closed.",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,12 +105,15 @@ class ListenerState:
     refused: int = 0
     timed_out: int = 0
     stalled: int = 0
+    bad_requests: int = 0  # requests the HTTP parser refused
     refused_answer: bytes = field(init=False, repr=False)
     timed_out_answer: bytes = field(init=False, repr=False)
+    bad_request_answer: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.refused_answer = _canned(_refused(), self.shape)
         self.timed_out_answer = _canned(_timed_out(), self.shape)
+        self.bad_request_answer = _canned(_malformed(), self.shape)
 
     def admit(self, conn: LimitedHttpProtocol) -> bool:
         self.accepted += 1
@@ -130,6 +146,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._stall: asyncio.TimerHandle | None = None
         self._counted = False
         self.head_begun = False  # bytes of the awaited request head have arrived
+        self._malformed = False  # the parser refused what followed: 400, then close
+        self._prior: RequestResponseCycle | None = None  # the request before the newest one
 
     @property
     def waiting_for_head(self) -> bool:
@@ -162,6 +180,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     # request -----------------------------------------------------------------------------------------
     def on_headers_complete(self) -> None:
         self._arm(self.listener.limits.body_timeout_s, self._body_timeout)
+        self._prior = self.cycle
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -169,13 +188,62 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing() and self.waiting_for_head and self._counted:
+        super().on_response_complete()  # starts the next queued request, if any
+        if self.transport.is_closing() or not self.waiting_for_head:
+            return
+        if self._malformed:
+            self._answer_malformed()
+        elif self._counted:
             self._await_head()
 
     def data_received(self, data: bytes) -> None:
+        if self._malformed:
+            return  # a 400 is due: nothing after the bad bytes is a request
         self.head_begun = True
         super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        """The HTTP parser refused the bytes (uvicorn calls this; `msg` is its plain-text reason): 400
+        `KV_BAD_REQUEST` in this listener's shape, then close; never written into another answer.
+
+        `self.cycle` is the newest request whose head was parsed. When answers to earlier requests are
+        still due (that request is whole, or it is queued in `self.pipeline` behind a running one), they
+        go out first: a bad request in the queue is dropped (its app never runs), nothing more is read,
+        and `on_response_complete` writes the 400 once the last of them is complete."""
+        if self._malformed or self.transport.is_closing():
+            return
+        self._malformed = True
+        self.listener.bad_requests += 1
+        event(log, logging.INFO, "kv.listener.bad_request", listener=self.listener.name)
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:
+            self._answer_malformed()  # no answer in flight
+            return
+        self._disarm()  # the bad request's body timer: the running answer is not bounded by it
+        self._stop_reading()
+        if not cycle.more_body:
+            return  # it is whole: its answer (and those before it) first, then the 400
+        if self.pipeline and self.pipeline[0][0] is cycle:
+            self.pipeline.popleft()  # its own body was bad, and it was queued behind a running answer
+            assert self._prior is not None  # a request is queued only behind another one
+            self.cycle = self._prior  # the last answer due before the 400 (and what a disconnect ends)
+            return
+        cycle.disconnected = True  # its own body was bad, and it is the running one: it sees the
+        cycle.message_event.set()  # client leave, and what it sends goes nowhere
+        if cycle.response_started:
+            self.abort()  # its answer has begun: the 400 cannot be said
+        else:
+            self._answer_malformed()
+
+    def _stop_reading(self) -> None:
+        """Pause reading for good: uvicorn's flow control resumes only what it paused itself."""
+        self.transport.pause_reading()
+        self.flow.read_paused = False
+
+    def _answer_malformed(self) -> None:
+        self._disarm()
+        self.transport.write(self.listener.bad_request_answer)
+        self.transport.close()
 
     # answer ------------------------------------------------------------------------------------------
     def pause_writing(self) -> None:

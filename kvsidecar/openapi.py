@@ -4,7 +4,8 @@
 - every route's 200 answer has its schema (`Route.returns`, models in `kvsidecar.api_models`);
 - every error status a route can answer is declared with the `ErrorBody` schema and the stable codes
   behind it (`x-kv-codes`, from `kvsidecar.errors.HTTP_STATUS`), from the steps every request takes
-  (Host, token, body cap, shutdown, path parameters, query and body) plus the route's own `errors`;
+  (the listener's HTTP parsing and connection cap, Host, token, body cap, shutdown, path parameters,
+  query and body) plus the route's own `errors`;
   FastAPI's 422 `HTTPValidationError` is never declared: bad input is 400 `KV_BAD_REQUEST`;
 - the bearer scheme (HTTP bearer) is declared on every route but the public ones when a token is
   configured; without one the routes need no credentials and the document says none.
@@ -60,7 +61,9 @@ def error_codes(
     route: Route, params: Mapping[str, Param], *, token: bool, check_host: bool
 ) -> dict[int, list[str]]:
     """Status -> the error codes this route can answer with it, in the order of the request's steps."""
-    kinds: list[type[KvError]] = [BadRequest] if check_host else []  # Host header (DNS rebinding)
+    # 400 on every route: a request the HTTP parser refuses (the listener answers it, kvsidecar.listener),
+    # and, with `check_host`, a Host header that is not loopback (DNS rebinding).
+    kinds: list[type[KvError]] = [BadRequest]
     if not route.public:
         kinds += [Unauthorized] if token else []
         kinds.append(ShuttingDown)  # the app is stopping (lifespan shutdown, or the request cancelled)

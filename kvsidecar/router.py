@@ -13,9 +13,11 @@ Every request takes the same steps, in this order, whatever the route:
    public routes; a declared Content-Length over the cap: 413. Nothing is read before these pass.
 2. The body, up to `max_body_bytes` (413 beyond).
 3. The route: 404 `KV_NOT_FOUND`; a path served only for other methods: 405 `KV_METHOD_NOT_ALLOWED`
-   with `Allow`. Paths are matched decoded and literally (`[^/]+` per parameter, no slash redirects).
+   with `Allow`. The path is matched as sent, segment by segment (split at its literal slashes, then each
+   segment percent-decoded once; no slash redirects, no dot-segment folding); a parameter is one whole,
+   non-empty segment, so `a%2Fb` is the value `a/b`.
 4. Path parameters, each name with one converter for every route (`session_id`: 400
-   `KV_INVALID_SESSION_ID`).
+   `KV_INVALID_SESSION_ID`, which refuses `a/b`, `%2F`, NUL, non-UTF-8 and anything else off its alphabet).
 5. Query parameters, then the JSON body, each validated by the route's pydantic model: 400
    `KV_BAD_REQUEST` naming the first offending field. Routes without a body model ignore the body.
 6. The handler. A `KvError` becomes its status and `{"error": {"code", "message", "hint"}}`
@@ -42,7 +44,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, quote, unquote
 
 from fastapi.encoders import jsonable_encoder
 from pydantic import BaseModel, ValidationError
@@ -232,11 +234,11 @@ class Router:
         self.check_host = check_host
         self.max_bytes = max_body_bytes
         self.lifespan = lifespan
-        self._static: dict[str, dict[str, Route]] = {}
-        self._templates: dict[str, tuple[re.Pattern[str], dict[str, Route]]] = {}
+        self._static: dict[tuple[str, ...], dict[str, Route]] = {}
+        self._templates: dict[str, tuple[tuple[tuple[bool, str], ...], dict[str, Route]]] = {}
         for route in self.routes:
             self._add(route)
-        self._public = frozenset(r.path for r in self.routes if r.public)
+        self._public = frozenset(tuple(r.path.split("/")) for r in self.routes if r.public)
         self._openapi: dict[str, Any] | None = None
 
     def _add(self, route: Route) -> None:
@@ -247,24 +249,35 @@ class Router:
         if route.public and names:
             raise ValueError(f"{route.path}: a public route cannot have path parameters")
         if not names:
-            by_method = self._static.setdefault(route.path, {})
+            by_method = self._static.setdefault(tuple(route.path.split("/")), {})
         else:
-            pattern = "".join(
-                f"(?P<{part}>[^/]+)" if i % 2 else re.escape(part)
-                for i, part in enumerate(_PARAM.split(route.path))
-            )
-            by_method = self._templates.setdefault(route.path, (re.compile(f"^{pattern}$"), {}))[1]
+            # per segment: (False, literal) or (True, parameter name); a parameter is a whole segment
+            parts: list[tuple[bool, str]] = []
+            for part in route.path.split("/"):
+                m = _PARAM.fullmatch(part)
+                if m is None and "{" in part:
+                    raise ValueError(f"{route.path}: a parameter must be a whole path segment")
+                parts.append((True, m.group(1)) if m else (False, part))
+            by_method = self._templates.setdefault(route.path, (tuple(parts), {}))[1]
         if route.method in by_method:
             raise ValueError(f"{route.method} {route.path} is defined twice")
         by_method[route.method] = route
 
-    def match(self, method: str, path: str) -> tuple[Route, dict[str, str]] | JSONResponse:
-        """The route and its raw path parameters, or the 404 / 405 answer."""
-        by_method, raw = self._static.get(path), {}
+    def match(self, method: str, segments: Sequence[str]) -> tuple[Route, dict[str, str]] | JSONResponse:
+        """The route and its path parameters (percent-decoded, not yet converted), or the 404 / 405
+        answer. `segments`: the raw path split at its slashes (`path_segments`)."""
+        decoded = tuple(unquote(s) for s in segments)  # UTF-8; a byte that is not is U+FFFD
+        by_method, raw = self._static.get(decoded), {}
         if by_method is None:
-            for regex, candidates in self._templates.values():
-                if (m := regex.match(path)) is not None:
-                    by_method, raw = candidates, m.groupdict()
+            for parts, candidates in self._templates.values():
+                if len(parts) == len(decoded) and all(
+                    bool(raw_seg) if is_param else text == seg
+                    for (is_param, text), seg, raw_seg in zip(parts, decoded, segments, strict=True)
+                ):
+                    raw = {
+                        text: seg for (is_param, text), seg in zip(parts, decoded, strict=True) if is_param
+                    }
+                    by_method = candidates
                     break
         if by_method is None:
             return error_response(NotFound("no such route"))
@@ -282,9 +295,11 @@ class Router:
             return
         if scope["type"] != "http":
             return
-        matched = self.match(scope["method"], scope["path"])
+        segments = path_segments(scope)
+        matched = self.match(scope["method"], segments)
         headers = dict(scope.get("headers", []))
-        public = scope["path"] in self._public  # by path: any method there, answered or 405, needs no token
+        # by path: any method there, answered or 405, needs no token
+        public = tuple(unquote(s) for s in segments) in self._public
         refusal = refuse(scope, headers, expected=self.expected, check_host=self.check_host, exempt=public)
         if refusal is None and self.stopping and not public:
             refusal = ShuttingDown("kvsidecar is shutting down")
@@ -364,6 +379,16 @@ class Router:
             return JsonResponse(self.openapi())
 
         return [Route(method="GET", path="/openapi.json", handler=openapi_json, in_schema=False)]
+
+
+def path_segments(scope: Scope) -> list[str]:
+    """The request path as sent, split at its slashes, each segment still percent-encoded: a parameter
+    is one segment whatever it decodes to (`a%2Fb` is the value `a/b`, refused by its converter, never
+    two segments). Without `raw_path` (optional in ASGI) the decoded path, re-encoded."""
+    raw: bytes | None = scope.get("raw_path")
+    if raw is None:
+        return [quote(s, safe="") for s in scope["path"].split("/")]
+    return raw.split(b"?", 1)[0].decode("latin-1").split("/")
 
 
 def _query(model: type[M], scope: Scope) -> M:

@@ -18,7 +18,7 @@ import signal
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import uvicorn
 from fastapi import FastAPI
@@ -44,11 +44,14 @@ from kvsidecar.store.fingerprint import FileDigestCache, find_llama_process
 from kvsidecar.store.snapshots import SnapshotStore
 from kvsidecar.store.watcher import SnapshotWatcher
 
+if TYPE_CHECKING:
+    from kvsidecar.fleet.agent import FleetAgent
+
 log = logging.getLogger("kvsidecar.service")
 
 # Config sections a reload cannot apply: they shape listeners, routes and clients built once at start.
 # Everything else (enabled, checkpoint, restore, failure, retention, logging) applies live.
-RESTART_ONLY = ("servers", "routes", "state_dir", "api", "proxy")
+RESTART_ONLY = ("servers", "routes", "state_dir", "api", "proxy", "fleet")
 
 
 def read_token(config: Config) -> str | None:
@@ -81,6 +84,8 @@ class Daemon:
         self.state_lock = state_lock
         self._owns_lock = state_lock is None
         self.pending_restart: list[str] = []  # restart-only keys a reload found changed
+        self._reload_lock = asyncio.Lock()
+        self._reload_task: asyncio.Task[None] | None = None  # the last SIGHUP's, kept referenced
         self.metrics = Metrics()
         self.store = SnapshotStore(
             state_dir=config.state_dir,
@@ -110,6 +115,7 @@ class Daemon:
         self.token = read_token(config)
         self.listener: ListenerState | None = None  # the API listener's connection state, once serving
         self.setup_warnings: list[SetupWarning] = []  # found at start (a snapshot_dir llama-server ignores)
+        self.fleet: FleetAgent | None = None  # fleet mode (docs/FLEET.md), when fleet.enabled
 
     async def start(self) -> None:
         if self.state_lock is None:
@@ -140,8 +146,13 @@ class Daemon:
         )
         self.setup_warnings = await asyncio.to_thread(self._check_save_paths)  # before the canary's save
         await self.coordinator.start()
+        if self.config.fleet.enabled:  # imported only here: single-host mode never loads redis
+            from kvsidecar.fleet.agent import FleetAgent
+
+            self.fleet = FleetAgent(self.config, self.coordinator)
+            self.fleet.start()  # returns at once: a Redis that is down is retried by its heartbeat
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not on the main thread (tests)
-            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
         self.coordinator.scheduler.add_job(
             self._gc,
             "interval",
@@ -158,14 +169,29 @@ class Daemon:
             )
             self.watcher.start()
 
-    def reload(self) -> list[str]:
-        """SIGHUP: re-read the config file and apply every live key, even when restart-only keys
-        (RESTART_ONLY) changed too: those keep their running values and are logged, and kept in
-        `pending_restart`, as needing a restart. A file that does not load changes nothing."""
+    def _load(self) -> Config | None:
         try:
-            config = load_config(self.config_path)
+            return load_config(self.config_path)
         except ConfigError as exc:
             event(log, logging.ERROR, "kv.config.reload_failed", error=exc.message)
+            return None
+
+    def _on_sighup(self) -> None:
+        """SIGHUP on the loop: the file is read and parsed on a thread (a large file must not stall the
+        hooks), then applied on the loop by `reload`, one reload at a time."""
+
+        async def reload() -> None:
+            async with self._reload_lock:
+                if (config := await asyncio.to_thread(self._load)) is not None:
+                    self.reload(config)
+
+        self._reload_task = asyncio.get_running_loop().create_task(reload())
+
+    def reload(self, config: Config | None = None) -> list[str]:
+        """SIGHUP: re-read the config file (`config`: already read) and apply every live key, even when
+        restart-only keys (RESTART_ONLY) changed too: those keep their running values and are logged, and
+        kept in `pending_restart`, as needing a restart. A file that does not load changes nothing."""
+        if config is None and (config := self._load()) is None:
             return self.pending_restart
         log_deprecations(config)
         running = self.config
@@ -225,8 +251,12 @@ class Daemon:
 
     async def aclose(self) -> None:
         try:
+            if self._reload_task is not None:  # a SIGHUP still reading: not applied to a closing daemon
+                self._reload_task.cancel()
             if self.watcher is not None:
                 self.watcher.stop()
+            if self.fleet is not None:
+                await self.fleet.aclose()
             await self.coordinator.aclose()
         finally:
             self._release_lock()
@@ -321,6 +351,7 @@ def _uvicorn(app: Any, *, lifespan: Literal["on", "off"], listener: ListenerStat
         uvicorn.Config(
             app,
             http=protocol_for(listener),
+            ws="none",  # no WebSocket upgrade path around the listener's limits and the app's checks
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=5,

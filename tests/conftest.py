@@ -10,6 +10,7 @@ import pytest
 
 from kvsidecar.testing.llama import LlamaServer, llama_server_binary, vocab_dir
 from kvsidecar.testing.models import TINY, generate_llama_model
+from tests.fleet_helpers import RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -54,6 +55,14 @@ def start_llama(llama_bin: Path, tiny_model: Path, tmp_path: Path) -> Iterator[S
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port, no persistence; stopped (killed) after the test."""
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

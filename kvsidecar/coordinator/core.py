@@ -125,6 +125,7 @@ class Coordinator:
             acquire_timeout_s=acquire_timeout_s,
         )
         self.pending_restart: list[str] = []  # restart-only keys a SIGHUP found changed (status shows them)
+        self.fleet_view: Callable[[], dict[str, Any]] | None = None  # fleet mode's part of status()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
         self._started = False
@@ -440,7 +441,7 @@ class Coordinator:
         return views.session_views(self.sessions, self.store, self.servers, session_id)
 
     def status(self) -> dict[str, Any]:
-        return views.status(
+        out = views.status(
             enabled=self.config.enabled,
             servers=self.servers,
             sessions=self.sessions,
@@ -450,3 +451,6 @@ class Coordinator:
             costs=self.costs.view(),
             pending_restart=self.pending_restart,
         )
+        if self.fleet_view is not None:
+            out["fleet"] = self.fleet_view()
+        return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from kvsidecar.coordinator.costs import CostModel
 from kvsidecar.coordinator.gauges import CostCollector, StateCollector
@@ -22,6 +22,17 @@ from kvsidecar.store.naming import short_id
 from kvsidecar.store.snapshots import Candidate, Rejection, SnapshotStore
 
 log = logging.getLogger("kvsidecar.coordinator")
+
+
+class ResidencyObserver(Protocol):
+    """Told when a slot's content changes (fleet mode publishes residency from it). Called on the event
+    loop in the middle of an acquire: it must return at once and never raise (it queues its own I/O)."""
+
+    def slot_loaded(self, server: str, slot: int, key: str) -> None:
+        """Slot `slot` of `server` now holds session key `key` (restored or cold; its previous owner left)."""
+
+    def server_emptied(self, server: str) -> None:
+        """Every slot of `server` lost its content (llama-server restarted)."""
 
 
 def _total(metric: Any, **labels: str) -> int:
@@ -38,6 +49,14 @@ class Telemetry:
     def __init__(self, metrics: Metrics, costs: CostModel) -> None:
         self.metrics = metrics
         metrics.registry.register(CostCollector(costs))
+        self.observers: list[ResidencyObserver] = []  # fleet mode's agent, when enabled
+
+    def _tell(self, call: Callable[[ResidencyObserver], None]) -> None:
+        for observer in self.observers:
+            try:
+                call(observer)
+            except Exception:  # an observer's bug must never fail an acquire
+                log.exception("kv.telemetry.observer_failed")
 
     def watch(
         self,
@@ -73,6 +92,7 @@ class Telemetry:
     def server_restarted(self, server: str, reason: str) -> None:
         self.metrics.server_restarts.labels(server).inc()
         event(log, logging.WARNING, "kv.backend.restarted", server=server, reason=reason)
+        self._tell(lambda o: o.server_emptied(server))
 
     def server_unavailable(self, server: str, error: str | None) -> None:
         event(log, logging.WARNING, "kv.backend.unavailable", server=server, error=error)
@@ -134,6 +154,7 @@ class Telemetry:
             reason=result.reason,
             evicted=result.evicted,
         )
+        self._tell(lambda o: o.slot_loaded(server, slot, rt.key))
 
     def released(
         self, lease: Lease, status: str, prompt_tokens: int | None, cached_tokens: int | None

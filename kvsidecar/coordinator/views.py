@@ -88,7 +88,7 @@ def status(
     valid = sum(1 for m in manifests if m.has_valid)
     return {
         "enabled": enabled,
-        "servers": [server_view(srv, sessions) for srv in servers.values()],
+        "servers": [server_view(srv, sessions, enabled=enabled) for srv in servers.values()],
         "snapshots": {
             "known": len(manifests),
             "valid": valid,
@@ -104,7 +104,23 @@ def status(
     }
 
 
-def server_view(srv: ServerRuntime, sessions: SessionTable) -> dict[str, Any]:
+def persistence_now(srv: ServerRuntime, *, enabled: bool, warnings: list[dict[str, Any]]) -> dict[str, Any]:
+    """What persistence can do on this server now, from its real state (the breaker's is only part of it):
+    `state` healthy | off | unavailable | degraded | misconfigured, and a stable `reason` token."""
+    if not enabled:
+        return {"state": "off", "reason": "DISABLED"}
+    if not srv.available:
+        return {"state": "unavailable", "reason": "SERVER_DOWN"}
+    if srv.caps is not None and srv.caps.slots_endpoint is False:
+        return {"state": "unavailable", "reason": "NO_SLOTS_ENDPOINT"}
+    if srv.breaker.state.value != "healthy":
+        return {"state": "degraded", "reason": f"CIRCUIT_{srv.breaker.state.value.upper()}"}
+    if warnings:
+        return {"state": "misconfigured", "reason": str(warnings[0]["code"])}
+    return {"state": "healthy", "reason": None}
+
+
+def server_view(srv: ServerRuntime, sessions: SessionTable, *, enabled: bool = True) -> dict[str, Any]:
     def slot_state(s: Slot) -> str:
         if isinstance(s.holder, Lease):
             return "inference"
@@ -118,6 +134,8 @@ def server_view(srv: ServerRuntime, sessions: SessionTable) -> dict[str, Any]:
         rt = sessions.get(s.owner)
         return rt.identity.short if rt else None
 
+    # setup problems found now (srv.process is the llama-server process seen at the last refresh)
+    warnings = [w.to_dict() for w in [save_path_warning(srv.name, srv.config, srv.process)] if w]
     return {
         "name": srv.name,
         "kind": srv.backend.kind,
@@ -125,6 +143,7 @@ def server_view(srv: ServerRuntime, sessions: SessionTable) -> dict[str, Any]:
         "mode": srv.config.mode.value,
         "available": srv.available,
         "persistence": srv.breaker.state.value,  # the circuit breaker's state
+        "persistence_now": persistence_now(srv, enabled=enabled, warnings=warnings),
         # GET /slots answers (llama-server --slots): without it nothing is saved or restored. None: unknown
         "slots_endpoint": srv.caps.slots_endpoint if srv.caps is not None else None,
         "last_error": srv.last_error,
@@ -139,6 +158,5 @@ def server_view(srv: ServerRuntime, sessions: SessionTable) -> dict[str, Any]:
             {"id": s.id, "owner": owner(s), "state": slot_state(s), "tokens": s.tokens}
             for s in sorted(srv.slots.values(), key=lambda s: s.id)
         ],
-        # setup problems found now (srv.process is the llama-server process seen at the last refresh)
-        "warnings": [w.to_dict() for w in [save_path_warning(srv.name, srv.config, srv.process)] if w],
+        "warnings": warnings,
     }

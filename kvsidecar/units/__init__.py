@@ -29,6 +29,8 @@ class UnitParams:
     model: str = "/var/lib/llama/models/model.gguf"
     llama_port: int = 8080
     llama_unit: str = "llama-server.service"
+    # More directories kvsidecar writes: the other servers' snapshot directories, api.unix_socket's.
+    kv_writable: tuple[str, ...] = ()
     stop_timeout_s: int = 90
     # Every address kvsidecar listens on or connects to is loopback: the unit may deny all others.
     loopback_only: bool = True
@@ -54,9 +56,10 @@ def _directory_lines(path: str, mode: str, *, writable: bool) -> str:
 
 
 def _derived(params: UnitParams) -> dict[str, str]:
-    writable = [params.snapshot_dir]
+    writable = [params.snapshot_dir, *params.kv_writable]
     if state_directory(params.state_dir) is None:
         writable.insert(0, params.state_dir)
+    writable = list(dict.fromkeys(writable))
     ip_policy = (
         "# Every address in the config is loopback: nothing else is reachable.\n"
         "IPAddressDeny=any\nIPAddressAllow=localhost"
@@ -73,4 +76,5 @@ def _derived(params: UnitParams) -> dict[str, str]:
 
 def render(name: str, params: UnitParams) -> str:
     template = files("kvsidecar.units").joinpath(f"{name}.in").read_text(encoding="utf-8")
-    return template.format(**asdict(params), **_derived(params))
+    values = {k: v for k, v in asdict(params).items() if k != "kv_writable"}
+    return template.format(**values, **_derived(params))

@@ -176,11 +176,12 @@ def test_init_check_serve_install_systemd_from_the_wheel(
     units = tmp_path / "units"
     installed.run(
         home, cwd, "-c", "kv.yaml", "install-systemd", "--dest", str(units),
-        "--kvsidecar", "/opt/kvsidecar/bin/kvsidecar", "--config-path", "/etc/kvsidecar/config.yaml",
+        "--kvsidecar", "/opt/kvsidecar/bin/kvsidecar", "--config-path", str(cwd / "kv.yaml"),
+        "--force",  # the config path must exist, and this one is under /tmp (PRIVATE_TMP)
     )  # fmt: skip
     assert sorted(p.name for p in units.iterdir()) == ["kvsidecar.service", "llama-server.service"]
     unit = (units / "kvsidecar.service").read_text()
-    assert "/opt/kvsidecar/bin/kvsidecar" in unit and "/etc/kvsidecar/config.yaml" in unit
+    assert "/opt/kvsidecar/bin/kvsidecar" in unit and f"KVSIDECAR_CONFIG={cwd / 'kv.yaml'}" in unit
 
 
 def test_serve_warns_when_llama_server_saves_elsewhere(

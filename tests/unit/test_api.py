@@ -106,10 +106,10 @@ async def test_events_save_restore_invalidate_purge(h: Harness) -> None:
     [
         (
             "POST",
-            "/v1/sessions/..%2F..%2Fetc%2Fpasswd/acquire",  # decoded to a path no route matches
+            "/v1/sessions/..%2F..%2Fetc%2Fpasswd/acquire",  # one segment: the session id `../../etc/passwd`
             {"provider": "local", "model": "m"},
-            404,
-            "KV_NOT_FOUND",
+            400,
+            "KV_INVALID_SESSION_ID",
         ),
         (
             "POST",

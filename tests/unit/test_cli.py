@@ -18,7 +18,7 @@ import yaml
 from kvsidecar import cli
 from kvsidecar.backend.base import BackendCapabilities
 from kvsidecar.cli import main, table
-from kvsidecar.cli_text import render_status
+from kvsidecar.cli_text import persistence_state, render_status
 from kvsidecar.store.llama_process import ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import SnapshotStore
@@ -103,14 +103,15 @@ def test_install_systemd_refuses_paths_the_units_hide(
 ) -> None:
     """Both units have PrivateTmp=yes (each its own /tmp) and ProtectHome=yes (no /home, /root)."""
     cfg = write_config(tmp_path)  # state and snapshot directories under pytest's /tmp
-    system = ["--kvsidecar", "/usr/local/bin/kvsidecar", "--config-path", "/etc/kvsidecar/config.yaml"]
+    system = ["--kvsidecar", "/usr/local/bin/kvsidecar", "--config-path", str(cfg)]  # it must exist
     code, dest = _install(tmp_path, cfg, *system, "--model", "/home/ann/models/m.gguf")
     assert code == 2 and not dest.exists()  # nothing written
     err = capsys.readouterr().err
     assert f"KV_UNIT_PATH_UNSAFE PRIVATE_TMP: state_dir {tmp_path / 'state'}" in err
     assert f"PRIVATE_TMP: servers.local.snapshot_dir {tmp_path / 'snaps'}" in err
+    assert f"PRIVATE_TMP: --config-path {cfg}" in err
     assert "PROTECT_HOME: --model /home/ann/models/m.gguf" in err
-    assert "kvsidecar: KV_UNIT_PATH_UNSAFE: 3 path(s)" in err and "Traceback" not in err
+    assert "kvsidecar: KV_UNIT_PATH_UNSAFE: 4 path(s)" in err and "Traceback" not in err
     code, dest = _install(tmp_path, cfg, "--kvsidecar", "/root/.local/bin/kvsidecar")
     assert code == 2 and "PROTECT_HOME: --kvsidecar /root/.local/bin/kvsidecar" in capsys.readouterr().err
     # --force writes them anyway, still warning
@@ -135,10 +136,14 @@ def test_install_systemd_for_a_system_layout_is_quiet(
             }
         )
     )
-    system = ["--kvsidecar", "/usr/local/bin/kvsidecar", "--config-path", "/etc/kvsidecar/config.yaml"]
+    # the config the unit names must exist: this one, under pytest's /tmp, is the only path warned about
+    system = ["--kvsidecar", "/usr/local/bin/kvsidecar", "--config-path", str(cfg), "--force"]
     code, dest = _install(tmp_path, cfg, *system)
     captured = capsys.readouterr()
-    assert code == 0 and captured.err == ""
+    assert code == 0 and captured.err.splitlines() == [
+        f"kvsidecar: warning: KV_UNIT_PATH_UNSAFE PRIVATE_TMP: --config-path {cfg}: "
+        "each unit has its own private /tmp, /var/tmp and /dev/shm (PrivateTmp=yes)"
+    ]
     assert "StateDirectory=kvsidecar/state" in (dest / "kvsidecar.service").read_text()
     # systemd creates both directories (StateDirectory=): no mkdir/chown step is printed
     assert "mkdir" not in captured.out and "create users kvsidecar and llama" in captured.out
@@ -236,11 +241,15 @@ async def test_status_headline_follows_the_real_state(tmp_path: Path) -> None:
     try:
         srv = h.coordinator.servers["local"]
         assert "up, persistence healthy" in render_status(h.coordinator.status())
+        assert h.coordinator.status()["servers"][0]["persistence_now"] == {"state": "healthy", "reason": None}
         h.fake.knobs.unavailable = True
         await srv.refresh()
-        text = render_status(h.coordinator.status())
+        down: dict[str, Any] = h.coordinator.status()
+        text = render_status(down)
         assert "DOWN, persistence UNAVAILABLE (server down: fake backend is unavailable)" in text
         assert "healthy" not in text
+        # the API says it too (the breaker's own state, `persistence`, is still "healthy")
+        assert down["servers"][0]["persistence_now"] == {"state": "unavailable", "reason": "SERVER_DOWN"}
         h.fake.knobs.unavailable = False
         caps = await h.fake.probe()
         no_slots = dataclasses.replace(caps, slots_endpoint=False)
@@ -252,11 +261,48 @@ async def test_status_headline_follows_the_real_state(tmp_path: Path) -> None:
         await srv.refresh()
         status: dict[str, Any] = h.coordinator.status()
         assert status["servers"][0]["slots_endpoint"] is False
+        assert status["servers"][0]["persistence_now"] == {
+            "state": "unavailable",
+            "reason": "NO_SLOTS_ENDPOINT",
+        }
         text = render_status(status)
         assert "up, persistence UNAVAILABLE (llama-server runs without --slots)" in text
         assert "healthy" not in text
     finally:
         await h.coordinator.aclose()
+
+
+def test_status_text_reads_an_older_daemon_without_persistence_now() -> None:
+    """An upgrade before the daemon restarts: its status has no `persistence_now`. The headline is derived
+    from the fields it does send (no KeyError)."""
+
+    def server(**fields: Any) -> dict[str, Any]:
+        base: dict[str, Any] = {
+            "name": "local",
+            "endpoint": "http://127.0.0.1:8080",
+            "available": True,
+            "mode": "auto",
+        }
+        return {**base, "slots_endpoint": True, "persistence": "healthy", "slots": [], **fields}
+
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({}, "up, persistence healthy"),
+        (
+            {"available": False, "last_error": "refused"},
+            "DOWN, persistence UNAVAILABLE (server down: refused)",
+        ),
+        ({"slots_endpoint": False}, "persistence UNAVAILABLE (llama-server runs without --slots)"),
+        ({"persistence": "open"}, "persistence OPEN (circuit breaker)"),
+    ]
+    snapshots = {"known": 0, "valid": 0, "invalid": 0, "bytes": 0}
+    stats = dict.fromkeys(
+        ["acquires", "resident", "restore_hits", "restores", "cold_starts", "cold_fallbacks", "saves"], 0
+    )
+    stats |= {"save_failures": 0, "restore_ineffective": 0}
+    for fields, headline in cases:
+        status = {"servers": [server(**fields)], "snapshots": snapshots, "leases": 0, "stats": stats}
+        assert headline in render_status(status)
+    assert persistence_state(server(), enabled=False) == "persistence OFF (enabled: false)"
 
 
 async def test_status_shows_a_snapshot_dir_llama_server_does_not_save_into(tmp_path: Path) -> None:

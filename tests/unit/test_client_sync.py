@@ -110,6 +110,17 @@ def test_sync_client_context_manager_releases_and_aborts(served: Served) -> None
         assert kv.status()["servers"][0]["slots"][0]["state"] == "dirty"
 
 
+@pytest.mark.parametrize("session", [".", "..", "a.b", "..."])
+def test_dot_session_ids_stay_one_path_segment(served: Served, session: str) -> None:
+    """ "." and ".." are valid session ids: an HTTP client folds them out of a path unless they are escaped
+    (session ".." was sent to POST /v1/acquire, an acquire of no session at all)."""
+    with served.client() as kv:
+        with kv.acquire(session, provider="local", model="m") as lease:
+            assert lease.outcome == "cold" and lease.slot_id == 0
+            lease.report(prompt_tokens=5, cached_tokens=0)
+        assert kv.status()["sessions_in_memory"] == 1 and len(kv.sessions()) == 1
+
+
 def test_sync_events_save_restore_invalidate_purge(served: Served) -> None:
     with served.client() as kv:
         with kv.acquire("A", provider="local", model="m") as lease:
@@ -255,6 +266,27 @@ def test_both_clients_send_the_same_request_and_read_the_same_answer(name: str) 
     path = sync_sent[0][1]
     assert path.startswith("/v1/") and path.count("/") <= 4  # a client string stays one path segment
     assert "/../" not in path and "?" not in path and "#" not in path
+
+
+EMPTY_IDS: dict[str, tuple[Callable[[Any], Any], str]] = {
+    "acquire": (lambda kv: kv.acquire_lease("", provider="local", model="m"), "KV_INVALID_SESSION_ID"),
+    "event": (lambda kv: kv.event("", "turn_end"), "KV_INVALID_SESSION_ID"),
+    "save": (lambda kv: kv.save(""), "KV_INVALID_SESSION_ID"),
+    "restore": (lambda kv: kv.restore("", provider="local", model="m"), "KV_INVALID_SESSION_ID"),
+    "invalidate": (lambda kv: kv.invalidate(""), "KV_INVALID_SESSION_ID"),
+    "purge": (lambda kv: kv.purge(""), "KV_INVALID_SESSION_ID"),
+    "release": (lambda kv: kv.release("", status="ok"), "KV_LEASE_NOT_FOUND"),
+}
+
+
+@pytest.mark.parametrize("name", list(EMPTY_IDS))
+def test_an_empty_id_is_refused_before_anything_is_sent(name: str) -> None:
+    """`/v1/sessions//save` would be "no such route" (404 KV_NOT_FOUND): the client gives the code the
+    daemon gives a bad id instead, and sends nothing."""
+    script, code = EMPTY_IDS[name]
+    for sent, error in (drive_sync(lease_answer, script), drive_async(lease_answer, script)):
+        assert sent == [] and isinstance(error, SidecarError), error
+        assert error.code == code and error.status == (404 if code == "KV_LEASE_NOT_FOUND" else 400)
 
 
 def test_the_acquire_block_releases_alike_in_both_clients() -> None:

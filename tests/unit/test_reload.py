@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,9 @@ from typing import Any
 import pytest
 import yaml
 
+from kvsidecar import service
 from kvsidecar.backend.fake import FakeKvBackend
-from kvsidecar.config import load_config
+from kvsidecar.config import Config, load_config
 from kvsidecar.logs import ROOT, JsonFormatter, configure
 from kvsidecar.service import Daemon, changed_keys
 
@@ -171,6 +173,33 @@ async def test_a_file_that_does_not_load_changes_nothing(
     assert daemon.reload() == ["api.listen"]  # still pending from the last good file
     assert daemon.config is before and daemon.coordinator.config.checkpoint.idle_s == 30
     assert any("kv.config.reload_failed" in r.getMessage() for r in caplog.records)
+
+
+async def test_sighup_reads_the_file_off_the_loop_and_refuses_a_huge_one(
+    daemon: Daemon, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SIGHUP handler parses on a thread (a large file must not stall the hooks); a file over 1 MiB is
+    refused before it is parsed, and changes nothing."""
+    threads: list[int] = []
+
+    def recording(path: Path | str | None = None, **kwargs: Any) -> Config:
+        threads.append(threading.get_ident())
+        return load_config(path, **kwargs)
+
+    monkeypatch.setattr(service, "load_config", recording)
+    edit(daemon, tmp_path, checkpoint={"idle_s": 5})
+    daemon._on_sighup()
+    assert daemon._reload_task is not None
+    await daemon._reload_task
+    assert threads and threading.get_ident() not in threads
+    assert daemon.coordinator.config.checkpoint.idle_s == 5
+    assert daemon.config_path is not None
+    daemon.config_path.write_text("# padding\n" * 120_000 + "checkpoint: {idle_s: 7}\n")
+    daemon._on_sighup()
+    await daemon._reload_task
+    assert daemon.coordinator.config.checkpoint.idle_s == 5
+    [failed] = [r.getMessage() for r in caplog.records if "kv.config.reload_failed" in r.getMessage()]
+    assert "1 MiB" in failed
 
 
 async def test_removed_keys_are_ignored_with_a_warning_and_the_rest_applies(

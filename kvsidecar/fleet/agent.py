@@ -1,0 +1,289 @@
+"""`FleetAgent`: what a kvsidecar with `fleet.enabled` runs beside its coordinator.
+
+- A heartbeat task, every `fleet.heartbeat_s`: this host's record (host id, advertised URL, per server
+  its base URL, runtime fingerprint digest and slot counts) with the host TTL; the whole residency map of
+  this host (which repairs any event that was dropped); a campaign for the leader lease; the live hosts.
+- Residency events: the coordinator's telemetry calls `slot_loaded` / `server_emptied` (the
+  `ResidencyObserver` protocol) in the middle of an acquire. They only append to a bounded queue (the
+  oldest dropped and counted when full) that a publisher task drains: no acquire ever waits on Redis.
+- Redis health: the first failure logs one WARNING (`KV_FLEET_REDIS_DOWN`) and the daemon goes on
+  serving as a single host; the heartbeat keeps trying and, when Redis answers again, logs the recovery
+  and registers everything again (record, residency, leader).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from redis.exceptions import RedisError
+
+from kvsidecar import __version__
+from kvsidecar.fleet import REDIS_DOWN, redacted
+from kvsidecar.fleet.ownership import Leases
+from kvsidecar.fleet.plane import FleetPlane, HostRecord, ServerRecord, connect
+from kvsidecar.logs import event
+
+if TYPE_CHECKING:
+    from kvsidecar.config import Config
+    from kvsidecar.coordinator.core import Coordinator
+
+log = logging.getLogger("kvsidecar.fleet")
+
+QUEUE_MAX = 1024
+OP_TIMEOUT_S = 1.0  # each Redis call (socket connect and read); a heartbeat is bounded by 4 of them
+# What a Redis outage looks like from redis-py (a dead socket can also surface as an OSError or a timeout).
+DOWN = (RedisError, OSError, asyncio.TimeoutError)
+
+
+@dataclass(frozen=True)
+class _Op:
+    key: str
+    where: tuple[str, int] | None  # (server, slot) it is resident in; None: no longer resident here
+
+
+class FleetAgent:
+    def __init__(self, config: Config, coordinator: Coordinator, **redis_options: Any) -> None:
+        fleet = config.fleet
+        self.settings = fleet
+        self.host_id = fleet.effective_host_id()
+        self.advertise_url = config.advertise_url()
+        self.coordinator = coordinator
+        self.op_timeout_s = OP_TIMEOUT_S
+        self.client = connect(fleet.redis_url, timeout_s=self.op_timeout_s, **redis_options)
+        self.plane = FleetPlane(self.client, key_prefix=fleet.key_prefix, host_ttl_s=fleet.host_ttl_s)
+        self.leases = Leases(self.client, key_prefix=fleet.key_prefix)
+        self.queue: deque[_Op] = deque()
+        self.dropped = 0  # residency events dropped from a full queue (the next heartbeat repairs them)
+        self.mirror: dict[tuple[str, int], str] = {}  # (server, slot) -> key, as the events told
+        self.redis_up = False
+        self.down_since: float | None = None
+        self.ping_ms: float | None = None
+        self.is_leader = False
+        self.hosts: dict[str, HostRecord] = {}  # live hosts at the last heartbeat
+        self.heartbeats = 0  # successful ones
+        self.last_heartbeat: float | None = None  # wall clock
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._write = asyncio.Lock()  # residency writes: a replace never interleaves with an event
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # lifecycle ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the heartbeat and the publisher; returns at once (Redis may be down: serving goes on)."""
+        self.coordinator.telemetry.observers.append(self)
+        self.coordinator.fleet_view = self.view  # the `fleet` section of GET /v1/status
+        self.coordinator.metrics.registry.register(FleetCollector(self))
+        self._tasks = [
+            asyncio.create_task(self._heartbeat_loop(), name="kv-fleet-heartbeat"),
+            asyncio.create_task(self._publish_loop(), name="kv-fleet-publish"),
+        ]
+        event(
+            log,
+            logging.INFO,
+            "kv.fleet.started",
+            host=self.host_id,
+            redis=redacted(self.settings.redis_url),
+            advertise=self.advertise_url,
+        )
+
+    async def aclose(self) -> None:
+        """Stop the tasks; leave the fleet now (record, residency, leader) if Redis answers."""
+        self._stop.set()
+        self._wake.set()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(*DOWN):
+            async with asyncio.timeout(self.op_timeout_s * 2):
+                await self.plane.deregister(self.host_id)
+                if self.is_leader:
+                    await self.leases.resign(self.host_id)
+        with contextlib.suppress(*DOWN):
+            await self.client.aclose()
+        if self in self.coordinator.telemetry.observers:
+            self.coordinator.telemetry.observers.remove(self)
+        self.coordinator.fleet_view = None
+
+    # the observer (called inside acquires: no awaits, never raises) ----------------------------------
+    def slot_loaded(self, server: str, slot: int, key: str) -> None:
+        previous = self.mirror.get((server, slot))
+        self.mirror[(server, slot)] = key
+        if previous is not None and previous != key and previous not in self.mirror.values():
+            self._enqueue(_Op(previous, None))
+        self._enqueue(_Op(key, (server, slot)))
+
+    def server_emptied(self, server: str) -> None:
+        for where in [w for w in self.mirror if w[0] == server]:
+            key = self.mirror.pop(where)
+            if key not in self.mirror.values():
+                self._enqueue(_Op(key, None))
+
+    def _enqueue(self, op: _Op) -> None:
+        if len(self.queue) >= QUEUE_MAX:
+            self.queue.popleft()
+            self.dropped += 1
+        self.queue.append(op)
+        self._wake.set()
+
+    # the tasks ---------------------------------------------------------------------------------------
+    async def _publish_loop(self) -> None:
+        while not self._stop.is_set():
+            await self._wake.wait()
+            self._wake.clear()
+            if not self.redis_up:
+                continue  # the heartbeat that finds Redis back replaces the whole map
+            try:
+                await self._publish()
+            except DOWN as exc:
+                self._went_down(exc)
+            except Exception:
+                log.exception("kv.fleet.publish_failed")
+
+    async def _publish(self) -> None:
+        async with self._write:
+            while self.queue:
+                op = self.queue[0]
+                async with asyncio.timeout(self.op_timeout_s):
+                    if op.where is None:
+                        await self.plane.drop_resident(self.host_id, [op.key])
+                    else:
+                        await self.plane.set_resident(self.host_id, op.key, *op.where)
+                self.queue.popleft()
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                async with asyncio.timeout(self.op_timeout_s * 4):
+                    await self.heartbeat()
+            except DOWN as exc:
+                self._went_down(exc)
+            except Exception:  # a bug here must not end fleet mode for good: the next beat retries
+                log.exception("kv.fleet.heartbeat_failed")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.heartbeat_s):
+                    await self._stop.wait()
+
+    async def heartbeat(self) -> None:
+        """One heartbeat (the loop's body; tests call it directly): record, residency, leader, hosts."""
+        self.ping_ms = await self.plane.ping_ms()
+        await self.plane.register(self.record())
+        async with self._write:
+            truth = self.residency()
+            self.queue.clear()  # every event queued so far is part of this truth
+            self.mirror = {where: key for key, where in truth.items()}
+            await self.plane.replace_residency(self.host_id, truth)
+        self.is_leader = await self.leases.campaign(self.host_id, self.settings.host_ttl_s)
+        self.hosts = await self.plane.live_hosts()
+        self.heartbeats += 1
+        self.last_heartbeat = time.time()
+        self._came_back()
+
+    def _went_down(self, exc: BaseException) -> None:
+        self.ping_ms = None
+        if self.redis_up or self.down_since is None:
+            self.redis_up, self.down_since, self.is_leader = False, time.monotonic(), False
+            event(
+                log,
+                logging.WARNING,
+                "kv.fleet.redis_down",
+                code=REDIS_DOWN,
+                redis=redacted(self.settings.redis_url),
+                error=type(exc).__name__,
+                detail="serving as a single host until Redis answers again",
+            )
+
+    def _came_back(self) -> None:
+        if not self.redis_up:
+            down_s = None if self.down_since is None else round(time.monotonic() - self.down_since, 1)
+            self.redis_up, self.down_since = True, None
+            event(log, logging.INFO, "kv.fleet.registered", host=self.host_id, down_s=down_s)
+            self._wake.set()
+
+    # what this host is -------------------------------------------------------------------------------
+    def residency(self) -> dict[str, tuple[str, int]]:
+        """Session key -> (server, slot), from the coordinator's slots (the truth)."""
+        return {
+            slot.owner: (srv.name, slot.id)
+            for srv in self.coordinator.servers.values()
+            for slot in srv.slots.values()
+            if slot.owner is not None
+        }
+
+    def record(self) -> HostRecord:
+        dirty = self.coordinator.sessions.is_dirty
+        servers = []
+        for srv in self.coordinator.servers.values():
+            slots = list(srv.slots.values())
+            idle = [s for s in slots if s.holder is None]
+            servers.append(
+                ServerRecord(
+                    name=srv.name,
+                    base_url=srv.config.base_url,
+                    fingerprint=srv.fingerprint.digest if srv.fingerprint is not None else None,
+                    slots_total=len(slots),
+                    slots_free=sum(1 for s in idle if s.owner is None),
+                    slots_clean=sum(1 for s in idle if s.owner is not None and not dirty(s.owner)),
+                )
+            )
+        return HostRecord(
+            host_id=self.host_id,
+            advertise_url=self.advertise_url,
+            version=__version__,
+            time=time.time(),
+            servers=tuple(servers),
+        )
+
+    def view(self) -> dict[str, Any]:
+        """The `fleet` section of GET /v1/status (no Redis call: what the last heartbeat saw)."""
+        age = None if self.last_heartbeat is None else round(time.time() - self.last_heartbeat, 3)
+        return {
+            "host_id": self.host_id,
+            "advertise_url": self.advertise_url,
+            "redis": redacted(self.settings.redis_url),
+            "redis_up": self.redis_up,
+            "ping_ms": None if self.ping_ms is None else round(self.ping_ms, 3),
+            "leader": self.is_leader,
+            "hosts": sorted(self.hosts) if self.redis_up else [],
+            "resident_sessions": len(self.residency()),
+            "heartbeat_age_s": age,
+            "publish_queue": len(self.queue),
+            "publish_dropped": self.dropped,
+        }
+
+
+class FleetCollector(Collector):
+    """The fleet gauges, read at scrape time (registered only when fleet mode runs)."""
+
+    def __init__(self, agent: FleetAgent) -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterable[Metric]:
+        a = self.agent
+        yield GaugeMetricFamily(
+            "kvsidecar_fleet_hosts",
+            "Live hosts in the fleet as this host saw them at its last heartbeat (0 while Redis is down)",
+            value=len(a.hosts) if a.redis_up else 0,
+        )
+        yield GaugeMetricFamily(
+            "kvsidecar_fleet_redis_up", "1 if Redis answered the last heartbeat", value=a.redis_up
+        )
+        yield GaugeMetricFamily(
+            "kvsidecar_fleet_leader", "1 if this host holds the fleet's leader lease", value=a.is_leader
+        )
+        yield CounterMetricFamily(
+            "kvsidecar_fleet_publish_dropped",
+            "Residency events dropped from the full publish queue (the next heartbeat republishes all)",
+            value=a.dropped,
+        )

@@ -1,0 +1,144 @@
+"""Session ownership leases with fencing tokens, and the leader lease: each an atomic Lua script on Redis.
+
+Ownership of session key K (the host allowed to hold K in a slot and to commit its snapshots):
+
+- `take(K, H, ttl)`: if nobody holds K, H takes it with a **new fencing token**; if H holds it, the lease is
+  renewed and the token is **unchanged**; if another host holds it, the answer names that host and its
+  token and nothing changes. One script, so two hosts racing for K cannot both win.
+- Tokens of a key only ever grow: every new take increments K's counter (INCR), and the counter is never
+  set below Redis' own clock in milliseconds, so even a Redis that lost its data (restarted without
+  persistence) hands out tokens above every earlier one, as long as fewer than 1000 takes of one key
+  happen per second (the counter is a floor of the clock, the clock a floor of the counter).
+- `is_current(K, H, T)`: True only while H holds K under token T. A holder that was paused (SIGSTOP, GC,
+  a partition) past its lease keeps its old token; once anyone took K again (H itself included) the old
+  token is no longer current, and every later take has a higher token.
+
+What this guarantees, and what it does not: Redis tells a holder whether its token is still the current
+one at the moment it asks. It cannot stop a paused holder that already checked from writing afterwards.
+That is closed on the storage side: every manifest commit and delete carries the token and the store
+refuses a token lower than the highest it has recorded for K (the classic fencing rule). **That store-side
+check is not built yet** (the next stop of issue 18); today these scripts are the tokens' source and the
+advisory check.
+
+The leader lease (fleet-wide retention): `campaign(H, ttl)` takes the leader key if it is free (SET NX PX)
+or renews it if H holds it (compare-and-renew); `leader()` names the current leader, or None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+# KEYS[1] owner key, KEYS[2] fence counter; ARGV[1] host id, ARGV[2] ttl in ms.
+# Returns {granted (0/1), token, holder, new (0/1)}.
+_TAKE = """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local sep = string.find(cur, '|', 1, true)
+  local holder = string.sub(cur, 1, sep - 1)
+  local token = string.sub(cur, sep + 1)
+  if holder == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return {1, token, holder, 0}
+  end
+  return {0, token, holder, 0}
+end
+local t = redis.call('INCR', KEYS[2])
+local now = redis.call('TIME')
+local floor = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+if t < floor then
+  t = floor
+  redis.call('SET', KEYS[2], string.format('%d', t))
+end
+local token = string.format('%d', t)
+redis.call('SET', KEYS[1], ARGV[1] .. '|' .. token, 'PX', ARGV[2])
+return {1, token, ARGV[1], 1}
+"""
+
+# KEYS[1] owner key; ARGV[1] "<host>|<token>". 1 if released.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# KEYS[1] leader key; ARGV[1] host id, ARGV[2] ttl in ms. 1 if ARGV[1] is the leader afterwards.
+_CAMPAIGN = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return 1
+end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ownership:
+    """The answer of a take: granted or not, the current token of the key, who holds it."""
+
+    granted: bool
+    token: int
+    holder: str
+    new: bool  # a new take (a new token); False: a renewal, or refused
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+class Leases:
+    """The ownership and leader scripts over one Redis client, under the fleet's key prefix."""
+
+    def __init__(self, client: aioredis.Redis, *, key_prefix: str) -> None:
+        self.redis = client
+        self.prefix = key_prefix
+        self._take = client.register_script(_TAKE)
+        self._release = client.register_script(_RELEASE)
+        self._campaign = client.register_script(_CAMPAIGN)
+
+    def _keys(self, key: str) -> list[str]:
+        return [f"{self.prefix}:owner:{key}", f"{self.prefix}:fence:{key}"]
+
+    async def take(self, key: str, host_id: str, ttl_s: float) -> Ownership:
+        """Take or renew ownership of session key `key` for `host_id` (see the module's guarantee)."""
+        granted, token, holder, new = await self._take(keys=self._keys(key), args=[host_id, _ms(ttl_s)])
+        return Ownership(granted=bool(int(granted)), token=int(token), holder=str(holder), new=bool(int(new)))
+
+    async def is_current(self, key: str, host_id: str, token: int) -> bool:
+        """Whether `host_id` holds `key` under `token` now (advisory: see the module docstring)."""
+        value = await self.redis.get(self._keys(key)[0])
+        return bool(value == f"{host_id}|{token}")
+
+    async def holder(self, key: str) -> Ownership | None:
+        value = await self.redis.get(self._keys(key)[0])
+        if value is None:
+            return None
+        holder, _, token = str(value).partition("|")
+        return Ownership(granted=False, token=int(token), holder=holder, new=False)
+
+    async def release(self, key: str, host_id: str, token: int) -> bool:
+        """Give up `key` if `host_id` still holds it under `token` (a stale release changes nothing)."""
+        done = await self._release(keys=self._keys(key)[:1], args=[f"{host_id}|{token}"])
+        return bool(int(done))
+
+    # the leader --------------------------------------------------------------------------------------
+    @property
+    def leader_key(self) -> str:
+        return f"{self.prefix}:leader"
+
+    async def campaign(self, host_id: str, ttl_s: float) -> bool:
+        """Become the leader if there is none, or stay it; True if `host_id` leads now."""
+        return bool(int(await self._campaign(keys=[self.leader_key], args=[host_id, _ms(ttl_s)])))
+
+    async def leader(self) -> str | None:
+        value = await self.redis.get(self.leader_key)
+        return None if value is None else str(value)
+
+    async def resign(self, host_id: str) -> bool:
+        """Step down now (a clean stop) rather than at the lease's end."""
+        return bool(int(await self._release(keys=[self.leader_key], args=[host_id])))

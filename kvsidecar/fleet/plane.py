@@ -1,0 +1,233 @@
+"""`FleetPlane`: the Redis side of fleet mode: one connection, the key names, the host registry and the
+residency map. Ownership leases and the leader are in ownership.py, on the same connection.
+
+Keys (every one under `fleet.key_prefix`, `P` below; host ids are validated `[A-Za-z0-9._-]{1,64}`, session
+keys are our own 128-bit hex identity keys, never a client string):
+
+    P:hosts              SET     host ids that ever registered (pruned of the dead by live hosts)
+    P:host:<H>           STRING  JSON record of host H, PX host_ttl: gone when H stops heartbeating
+    P:res:<H>            HASH    session key -> JSON {server, slot, t}: what H holds resident, PX host_ttl
+    P:owner:<K>          STRING  "<H>|<token>", PX owner_lease_ttl (ownership.py)
+    P:fence:<K>          STRING  the fencing counter of session key K (ownership.py), never expires
+    P:leader             STRING  the leader's host id, PX host_ttl (ownership.py)
+
+Snapshots never go through Redis; losing every key above loses nothing that is not rebuilt by the next
+heartbeats (see docs/FLEET.md for what a lost fencing counter means).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+RECORD_VERSION = 1
+T = TypeVar("T")
+
+
+def awaited(call: Awaitable[T] | T) -> Awaitable[T]:
+    """redis-py types a command as `Awaitable[T] | T` (one signature for both clients); on redis.asyncio
+    it is always the awaitable."""
+    return cast("Awaitable[T]", call)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerRecord:
+    """One llama-server of a host as the fleet sees it."""
+
+    name: str
+    base_url: str
+    fingerprint: str | None  # the runtime fingerprint's digest (None until it is complete)
+    slots_total: int
+    slots_free: int  # held by nobody and holding nothing
+    slots_clean: int  # held by nobody, holding a session whose snapshot is current (evictable for free)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostRecord:
+    host_id: str
+    advertise_url: str
+    version: str
+    time: float  # wall clock of the writer at its heartbeat (seconds since the epoch)
+    servers: tuple[ServerRecord, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "v": RECORD_VERSION,
+                "host_id": self.host_id,
+                "advertise_url": self.advertise_url,
+                "version": self.version,
+                "time": self.time,
+                "servers": [s.__dict__ for s in self.servers],
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> HostRecord | None:
+        """None for anything that is not a record we wrote (a peer's newer format, garbage)."""
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict) or data.get("v") != RECORD_VERSION:
+                return None
+            servers = tuple(ServerRecord(**s) for s in data["servers"])
+            return cls(
+                host_id=str(data["host_id"]),
+                advertise_url=str(data["advertise_url"]),
+                version=str(data["version"]),
+                time=float(data["time"]),
+                servers=servers,
+            )
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Residency:
+    """Where a session key is resident: a slot of a server of a live host."""
+
+    host_id: str
+    server: str
+    slot: int
+    since: float
+
+
+def connect(url: str, *, timeout_s: float, **extra: Any) -> aioredis.Redis:
+    """A client that never waits long: one retry (a pooled connection a restarted Redis closed is found
+    dead only when used), then the error goes to the caller, whose loop tries again later."""
+    client: aioredis.Redis = aioredis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1),
+        retry_on_error=[RedisConnectionError],  # not a timeout: a hung Redis is not waited for twice
+        **extra,
+    )
+    return client
+
+
+class FleetPlane:
+    """The host registry and the residency map, over one Redis client (the caller owns its lifetime)."""
+
+    def __init__(self, client: aioredis.Redis, *, key_prefix: str, host_ttl_s: float) -> None:
+        self.redis = client
+        self.prefix = key_prefix
+        self.host_ttl_ms = max(1, int(host_ttl_s * 1000))
+
+    # key names ---------------------------------------------------------------------------------------
+    def key(self, *parts: str) -> str:
+        return ":".join((self.prefix, *parts))
+
+    async def ping_ms(self) -> float:
+        start = time.perf_counter()
+        await self.redis.ping()
+        return (time.perf_counter() - start) * 1000
+
+    # the host registry -------------------------------------------------------------------------------
+    async def register(self, record: HostRecord) -> None:
+        """Write this host's record with the host TTL (every heartbeat), and keep its residency alive."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(self.key("host", record.host_id), record.to_json(), px=self.host_ttl_ms)
+            pipe.sadd(self.key("hosts"), record.host_id)
+            pipe.pexpire(self.key("res", record.host_id), self.host_ttl_ms)
+            await pipe.execute()
+
+    async def deregister(self, host_id: str) -> None:
+        """A clean stop: this host's record and residency are gone now rather than at their TTL."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.key("host", host_id), self.key("res", host_id))
+            pipe.srem(self.key("hosts"), host_id)
+            await pipe.execute()
+
+    async def live_hosts(self) -> dict[str, HostRecord]:
+        """Every host whose record has not expired, by id; ids whose record is gone are pruned."""
+        ids = sorted(await awaited(self.redis.smembers(self.key("hosts"))))
+        if not ids:
+            return {}
+        texts = await self.redis.mget([self.key("host", h) for h in ids])
+        out: dict[str, HostRecord] = {}
+        dead = []
+        for host_id, text in zip(ids, texts, strict=True):
+            record = HostRecord.from_json(text) if text is not None else None
+            if record is None or record.host_id != host_id:
+                dead.append(host_id)
+            else:
+                out[host_id] = record
+        if dead:  # a host that comes back re-adds itself at its next heartbeat
+            await awaited(self.redis.srem(self.key("hosts"), *dead))
+        return out
+
+    # the residency map -------------------------------------------------------------------------------
+    @staticmethod
+    def _entry(server: str, slot: int) -> str:
+        return json.dumps({"server": server, "slot": slot, "t": time.time()}, separators=(",", ":"))
+
+    async def set_resident(self, host_id: str, key: str, server: str, slot: int) -> None:
+        name = self.key("res", host_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(name, key, self._entry(server, slot))
+            pipe.pexpire(name, self.host_ttl_ms)
+            await pipe.execute()
+
+    async def drop_resident(self, host_id: str, keys: Iterable[str]) -> None:
+        gone = list(keys)
+        if gone:
+            await awaited(self.redis.hdel(self.key("res", host_id), *gone))
+
+    async def replace_residency(self, host_id: str, resident: Mapping[str, tuple[str, int]]) -> None:
+        """The whole truth of this host (every heartbeat): repairs any event that was dropped or failed."""
+        name = self.key("res", host_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(name)
+            if resident:
+                pipe.hset(name, mapping={k: self._entry(s, slot) for k, (s, slot) in resident.items()})
+                pipe.pexpire(name, self.host_ttl_ms)
+            await pipe.execute()
+
+    async def where(self, key: str, live: Iterable[str] | None = None) -> list[Residency]:
+        """The live hosts that hold session key `key` resident (normally one; two for a moment while a
+        session moves). Entries of hosts that are not live are ignored."""
+        hosts = sorted(live) if live is not None else sorted(await self.live_hosts())
+        if not hosts:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for host_id in hosts:
+                pipe.hget(self.key("res", host_id), key)
+            found = await pipe.execute()
+        out = []
+        for host_id, text in zip(hosts, found, strict=True):
+            if text is not None and (entry := _residency(host_id, text)) is not None:
+                out.append(entry)
+        return out
+
+    async def residency(self, host_id: str) -> dict[str, Residency]:
+        """Everything one host holds resident (empty when its map expired with it)."""
+        raw = await awaited(self.redis.hgetall(self.key("res", host_id)))
+        return {k: e for k, v in raw.items() if (e := _residency(host_id, v)) is not None}
+
+    async def sessions_per_host(self, hosts: Iterable[str]) -> dict[str, int]:
+        ids = sorted(hosts)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for host_id in ids:
+                pipe.hlen(self.key("res", host_id))
+            counts = await pipe.execute()
+        return {h: int(n) for h, n in zip(ids, counts, strict=True)}
+
+
+def _residency(host_id: str, text: str) -> Residency | None:
+    try:
+        data = json.loads(text)
+        return Residency(
+            host_id=host_id, server=str(data["server"]), slot=int(data["slot"]), since=float(data["t"])
+        )
+    except (ValueError, TypeError, KeyError):
+        return None

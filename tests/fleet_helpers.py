@@ -1,0 +1,99 @@
+"""A real redis-server per test (scripts/bootstrap installs Debian's redis-server), and polling helpers.
+
+`RedisServer` runs `redis-server` on a free loopback port with no persistence (`--save '' --appendonly
+no`): `stop()` then `start()` on the same port is a Redis that lost every key, as after a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvsidecar.testing.llama import free_port
+
+START_TIMEOUT_S = 20.0
+
+
+def redis_binary() -> str:
+    found = shutil.which("redis-server")
+    if found is None:
+        raise RuntimeError(
+            "redis-server is not installed: run scripts/bootstrap (apt-get install redis-server)"
+        )
+    return found
+
+
+def _answers_ping(port: int, password: str | None) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            if password is not None:
+                s.sendall(f"AUTH {password}\r\n".encode())
+                if not s.recv(64).startswith(b"+OK"):
+                    return False
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@dataclass
+class RedisServer:
+    workdir: Path
+    password: str | None = None
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password is not None else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [redis_binary(), "--port", str(self.port), "--save", "", "--appendonly", "no"]
+        args += ["--bind", "127.0.0.1", "--dir", str(self.workdir), "--daemonize", "no"]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
+        log = (self.workdir / "redis.log").open("ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _answers_ping(self.port, self.password):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: see {self.workdir}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not answer within {START_TIMEOUT_S}s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        """Kill it (SIGKILL: no shutdown save, no goodbye to clients), as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+async def eventually(
+    check: Callable[[], object], *, timeout_s: float = 10.0, what: str = "the condition"
+) -> Any:
+    """Poll `check` until it returns a truthy value (returned), failing after `timeout_s`. No fixed
+    sleeps: each poll yields to the loop for a moment, and the deadline only bounds a broken run."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.01)
