@@ -102,6 +102,13 @@ def section_switch_raw(d: dict[str, Any]) -> list[str]:
         f"**kvsidecar / raw, TTFT p50: {d['ratio_ttft_p50']:.2f}x** (management alone: "
         f"{side['manage_ms']['p50'] / raw['manage_ms']['p50']:.2f}x).",
         "",
+        "Where the rest of kvsidecar's management time goes (the acquire instrumented separately, 2026-11-30, "
+        "p50 per switch): llama-server's save ~21 ms and restore ~10 ms as in the raw path; the runtime bracket "
+        "(process check plus the `/props` nonce) ~1.5 ms at each of the four ends of the save and the restore; "
+        "choosing and clearing the save's target generation (a durable manifest write and the old file's unlink) "
+        "~4 ms; the commit (xxh3 of the 34 MB file, the manifest write) ~6 ms, which runs while the incoming "
+        "session restores instead of before it.",
+        "",
     ]
 
 
