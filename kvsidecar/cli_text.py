@@ -7,6 +7,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvsidecar.coordinator.verdict import persistence_now
+
 
 def table(rows: Sequence[Sequence[Any]], head: Sequence[str]) -> str:
     cells = [[str(h) for h in head]] + [["" if c is None else str(c) for c in r] for r in rows]
@@ -24,28 +26,12 @@ def human_bytes(n: float) -> str:
     return str(n)
 
 
-def _older_persistence_state(srv: dict[str, Any], enabled: bool) -> str:
-    """A daemon from before `persistence_now` (upgraded, not yet restarted): derived from the other fields."""
-    if not enabled:
-        return "persistence OFF (enabled: false)"
-    if not srv.get("available", False):
-        error = f": {srv['last_error']}" if srv.get("last_error") else ""
-        return f"persistence UNAVAILABLE (server down{error})"
-    if srv.get("slots_endpoint") is False:
-        return "persistence UNAVAILABLE (llama-server runs without --slots)"
-    if (breaker := str(srv.get("persistence", "unknown"))) != "healthy":
-        return f"persistence {breaker.upper()} (circuit breaker)"
-    if warnings := srv.get("warnings"):
-        return f"persistence MISCONFIGURED ({warnings[0].get('code', '?')}, see the warning)"
-    return "persistence healthy"
-
-
 def persistence_state(srv: dict[str, Any], enabled: bool = True) -> str:
     """What persistence can do on this server now (the daemon's `persistence_now`), in words. `enabled`
     (the status's top-level flag) is only read for an older daemon that does not send `persistence_now`."""
     now = srv.get("persistence_now")
-    if not isinstance(now, dict):
-        return _older_persistence_state(srv, enabled)
+    if not isinstance(now, dict):  # a daemon from before it (upgraded, not yet restarted): the same verdict
+        now = persistence_now(srv, enabled=enabled)
     reason = now["reason"]
     if reason == "DISABLED":
         return "persistence OFF (enabled: false)"
@@ -55,7 +41,7 @@ def persistence_state(srv: dict[str, Any], enabled: bool = True) -> str:
     if reason == "NO_SLOTS_ENDPOINT":
         return "persistence UNAVAILABLE (llama-server runs without --slots)"
     if now["state"] == "degraded":
-        return f"persistence {srv['persistence'].upper()} (circuit breaker)"
+        return f"persistence {str(srv.get('persistence', 'unknown')).upper()} (circuit breaker)"
     if now["state"] == "misconfigured":
         return f"persistence MISCONFIGURED ({reason}, see the warning)"
     return f"persistence {now['state']}"

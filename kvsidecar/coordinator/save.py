@@ -99,14 +99,13 @@ class Saver:
                 commit = await self._write(srv, slot, rt, trigger=trigger)
                 if commit is None:
                     return False
-                if overlap:  # the commit owns the busy mark from here on
+                if overlap:  # the commit owns the busy mark from here on; written counts as saved
                     rt.pending_commit = asyncio.get_running_loop().create_task(
                         self._commit_later(busy.pop_all(), commit)
                     )
-                    if actions is not None:
-                        actions.append(f"save {rt.identity.short}")
-                    return True
-                saved = await commit
+                    saved = True
+                else:
+                    saved = await commit
                 if saved and actions is not None:
                     actions.append(f"save {rt.identity.short}")
                 return saved
@@ -170,7 +169,7 @@ class Saver:
             await self._aborted(srv, slot, rt, step.plan, exc, step.trigger, resident=step.resident)
             return False
         finally:
-            if rt.pending_commit is not None and rt.pending_commit is asyncio.current_task():
+            if rt.pending_commit is asyncio.current_task():  # the overlapped commit ends
                 rt.pending_commit = None
         rt.base_generation = step.plan.generation
         self._saved(

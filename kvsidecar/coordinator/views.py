@@ -9,6 +9,7 @@ from kvsidecar.coordinator.pool import owner_slot
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionTable
 from kvsidecar.coordinator.state import Lease, SessionRuntime, SessionState, Slot
+from kvsidecar.coordinator.verdict import persistence_now
 from kvsidecar.savepath import save_path_warning
 from kvsidecar.store.manifest import Manifest
 from kvsidecar.store.snapshots import SnapshotStore
@@ -104,22 +105,6 @@ def status(
     }
 
 
-def persistence_now(srv: ServerRuntime, *, enabled: bool, warnings: list[dict[str, Any]]) -> dict[str, Any]:
-    """What persistence can do on this server now, from its real state (the breaker's is only part of it):
-    `state` healthy | off | unavailable | degraded | misconfigured, and a stable `reason` token."""
-    if not enabled:
-        return {"state": "off", "reason": "DISABLED"}
-    if not srv.available:
-        return {"state": "unavailable", "reason": "SERVER_DOWN"}
-    if srv.caps is not None and srv.caps.slots_endpoint is False:
-        return {"state": "unavailable", "reason": "NO_SLOTS_ENDPOINT"}
-    if srv.breaker.state.value != "healthy":
-        return {"state": "degraded", "reason": f"CIRCUIT_{srv.breaker.state.value.upper()}"}
-    if warnings:
-        return {"state": "misconfigured", "reason": str(warnings[0]["code"])}
-    return {"state": "healthy", "reason": None}
-
-
 def server_view(srv: ServerRuntime, sessions: SessionTable, *, enabled: bool = True) -> dict[str, Any]:
     def slot_state(s: Slot) -> str:
         if isinstance(s.holder, Lease):
@@ -134,16 +119,13 @@ def server_view(srv: ServerRuntime, sessions: SessionTable, *, enabled: bool = T
         rt = sessions.get(s.owner)
         return rt.identity.short if rt else None
 
-    # setup problems found now (srv.process is the llama-server process seen at the last refresh)
-    warnings = [w.to_dict() for w in [save_path_warning(srv.name, srv.config, srv.process)] if w]
-    return {
+    view: dict[str, Any] = {
         "name": srv.name,
         "kind": srv.backend.kind,
         "endpoint": srv.config.base_url,
         "mode": srv.config.mode.value,
         "available": srv.available,
         "persistence": srv.breaker.state.value,  # the circuit breaker's state
-        "persistence_now": persistence_now(srv, enabled=enabled, warnings=warnings),
         # GET /slots answers (llama-server --slots): without it nothing is saved or restored. None: unknown
         "slots_endpoint": srv.caps.slots_endpoint if srv.caps is not None else None,
         "last_error": srv.last_error,
@@ -158,5 +140,8 @@ def server_view(srv: ServerRuntime, sessions: SessionTable, *, enabled: bool = T
             {"id": s.id, "owner": owner(s), "state": slot_state(s), "tokens": s.tokens}
             for s in sorted(srv.slots.values(), key=lambda s: s.id)
         ],
-        "warnings": warnings,
+        # setup problems found now (srv.process is the llama-server process seen at the last refresh)
+        "warnings": [w.to_dict() for w in [save_path_warning(srv.name, srv.config, srv.process)] if w],
     }
+    view["persistence_now"] = persistence_now(view, enabled=enabled)
+    return view
