@@ -526,6 +526,12 @@ def section_agent(d: dict[str, Any]) -> list[str]:
     ]
 
 
+def section_fleet(d: dict[str, Any]) -> list[str]:
+    from bench_fleet import section  # bench/ is on sys.path when this script runs
+
+    return section(d)
+
+
 def main() -> int:
     parts = [
         "# kvsidecar benchmarks",
@@ -546,6 +552,7 @@ def main() -> int:
         ("proxy", section_proxy),
         ("rss", section_rss),
         ("agent", section_agent),
+        ("fleet", section_fleet),
     )
     for name, fn in sections:
         data = load(name)

@@ -10,7 +10,7 @@ loopback host (a DNS-rebinding page cannot reach us).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Path
 from pydantic import BaseModel, ConfigDict, Field
@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp
 
 from kvsidecar import __version__, api_models
+from kvsidecar.client_wire import segment
 from kvsidecar.coordinator.core import Coordinator, EventType, ReleaseStatus
 from kvsidecar.doctor import Doctor
 from kvsidecar.errors import (
@@ -54,6 +55,9 @@ from kvsidecar.router import (
     refuse,
 )
 from kvsidecar.store.naming import validate_session_id
+
+if TYPE_CHECKING:
+    from kvsidecar.fleet.routing import FleetRouter
 
 __all__ = ["ClientGone", "create_app", "error_response", "is_loopback", "read_body", "refuse", "routes"]
 
@@ -142,10 +146,12 @@ def create_app(
     max_body_bytes: int = 64 * 1024,
     check_host: bool = True,
     lifespan: Lifespan | None = None,
+    fleet: FleetHook | None = None,
 ) -> ASGIApp:
-    """The hook API as an ASGI app (lifespan: started with the app, closed at its shutdown)."""
+    """The hook API as an ASGI app (lifespan: started with the app, closed at its shutdown). `fleet`: the
+    fleet router once fleet mode runs (None before, and on a single host)."""
     return Router(
-        routes(coordinator, retention),
+        routes(coordinator, retention, fleet),
         PARAMS,
         token=token,
         check_host=check_host,
@@ -157,9 +163,23 @@ def create_app(
     )
 
 
-def routes(coordinator: Coordinator, retention: RetentionJob | None = None) -> list[Route]:
+FleetHook = Callable[[], "FleetRouter | None"]
+
+
+def _no_fleet() -> FleetRouter | None:
+    return None
+
+
+def routes(
+    coordinator: Coordinator, retention: RetentionJob | None = None, fleet: FleetHook | None = None
+) -> list[Route]:
     """Every route of the hook API, once."""
-    return [*_hook_routes(coordinator), *_session_routes(coordinator), *_view_routes(coordinator, retention)]
+    fleet = fleet or _no_fleet
+    return [
+        *_hook_routes(coordinator, fleet),
+        *_session_routes(coordinator, fleet),
+        *_view_routes(coordinator, retention),
+    ]
 
 
 def _route(
@@ -178,22 +198,28 @@ def _route(
     )
 
 
-def _hook_routes(coordinator: Coordinator) -> list[Route]:
+def _hook_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
     async def healthz(_: Call) -> dict[str, str]:
         """Liveness: no token needed."""
         return {"status": "ok", "version": __version__}
 
-    async def acquire(call: Call) -> dict[str, Any]:
+    async def acquire(call: Call) -> dict[str, Any] | Response:
         """Prepare the session's slot (restore when needed) and lease it; see docs/API.md."""
         body = call.body_as(AcquireBody)
-        result = await coordinator.acquire(
-            call.params["session_id"],
-            provider=body.provider,
-            model=body.model,
-            purpose=body.purpose,
-            seq=body.seq,
-        )
-        return result.to_dict()
+        session_id = call.params["session_id"]
+
+        async def serve() -> dict[str, Any]:
+            result = await coordinator.acquire(
+                session_id, provider=body.provider, model=body.model, purpose=body.purpose, seq=body.seq
+            )
+            return result.to_dict()
+
+        router = fleet()
+        if router is None:
+            return await serve()
+        key, server = coordinator.session_key(session_id, body.provider, body.model, body.purpose)
+        path = f"/v1/sessions/{segment(session_id)}/acquire"
+        return await router.acquire(key, server, path, body.model_dump(exclude_none=True), call.hop, serve)
 
     async def acquire_auxiliary(call: Call) -> dict[str, Any]:
         """An auxiliary request with no session (titles, compaction): it never becomes a session's state."""
@@ -203,15 +229,24 @@ def _hook_routes(coordinator: Coordinator) -> list[Route]:
         )
         return result.to_dict()
 
-    async def release(call: Call) -> dict[str, Any]:
+    async def release(call: Call) -> dict[str, Any] | Response:
         """End a lease with the request's outcome and the engine's prompt/cache token counts."""
         body = call.body_as(ReleaseBody)
-        return await coordinator.release(
-            call.params["lease_id"],
-            status=body.status,
-            prompt_tokens=body.prompt_tokens,
-            cached_tokens=body.cached_tokens,
-            prompt_ms=body.prompt_ms,
+
+        async def serve(lease_id: str) -> dict[str, Any]:
+            return await coordinator.release(
+                lease_id,
+                status=body.status,
+                prompt_tokens=body.prompt_tokens,
+                cached_tokens=body.cached_tokens,
+                prompt_ms=body.prompt_ms,
+            )
+
+        router = fleet()
+        if router is None:
+            return await serve(call.params["lease_id"])
+        return await router.release(
+            call.params["lease_id"], body.model_dump(exclude_none=True), call.hop, serve
         )
 
     acquired = api_models.AcquireResponse
@@ -232,35 +267,68 @@ def _hook_routes(coordinator: Coordinator) -> list[Route]:
     ]
 
 
-def _session_routes(coordinator: Coordinator) -> list[Route]:
+def _session_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
+    async def everywhere(
+        call: Call, method: str, action: str, serve: Callable[[], Awaitable[dict[str, Any]]], *sums: str
+    ) -> dict[str, Any]:
+        """Fleet mode: on every live host (each acts on what it holds of the session), numbers summed."""
+        router = fleet()
+        if router is None:
+            return await serve()
+        path = f"/v1/sessions/{segment(call.params['session_id'])}" + (f"/{action}" if action else "")
+        body = call.body.model_dump(exclude_none=True) if call.body is not None else None
+        return await router.everywhere(method, path, body, call.hop, serve, sums)
+
     async def session_event(call: Call) -> dict[str, Any]:
         """A harness lifecycle event: `flush` (and enabled turn/step ends) checkpoint; `disposed` lets go."""
         body = call.body_as(EventBody)
-        return await coordinator.session_event(call.params["session_id"], body.type, seq=body.seq)
+
+        async def serve() -> dict[str, Any]:
+            return await coordinator.session_event(call.params["session_id"], body.type, seq=body.seq)
+
+        return await everywhere(call, "POST", "events", serve, "saved")
 
     async def save(call: Call) -> dict[str, Any]:
         """Checkpoint the session now if it is dirty."""
-        return await coordinator.save(call.params["session_id"])
+        return await everywhere(
+            call, "POST", "save", lambda: coordinator.save(call.params["session_id"]), "saved", "checked"
+        )
 
-    async def restore(call: Call) -> dict[str, Any]:
+    async def restore(call: Call) -> dict[str, Any] | Response:
         """Bring a session into its slot now (normally restores are lazy, on the first acquire)."""
         body = call.body_as(AcquireBody)
-        result = await coordinator.acquire(
-            call.params["session_id"], provider=body.provider, model=body.model
-        )
-        if result.lease_id is not None:
-            await coordinator.release(result.lease_id, status="aborted")
-        out = result.to_dict()
-        out.pop("lease_id", None)
-        return out
+        session_id = call.params["session_id"]
+
+        async def serve() -> dict[str, Any]:
+            result = await coordinator.acquire(session_id, provider=body.provider, model=body.model)
+            if result.lease_id is not None:
+                await coordinator.release(result.lease_id, status="aborted")
+            out = result.to_dict()
+            out.pop("lease_id", None)
+            return out
+
+        router = fleet()
+        if router is None:
+            return await serve()
+        key, server = coordinator.session_key(session_id, body.provider, body.model, None)
+        path = f"/v1/sessions/{segment(session_id)}/restore"
+        return await router.acquire(key, server, path, body.model_dump(exclude_none=True), call.hop, serve)
 
     async def invalidate(call: Call) -> dict[str, Any]:
         """Mark the session's snapshots invalid (retention deletes them)."""
-        return await coordinator.invalidate(call.params["session_id"])
+        return await everywhere(
+            call,
+            "POST",
+            "invalidate",
+            lambda: coordinator.invalidate(call.params["session_id"]),
+            "invalidated",
+        )
 
     async def purge(call: Call) -> dict[str, Any]:
         """Forget the session and delete its snapshots."""
-        return await coordinator.purge(call.params["session_id"])
+        return await everywhere(
+            call, "DELETE", "", lambda: coordinator.purge(call.params["session_id"]), "purged", "bytes_freed"
+        )
 
     path = "/v1/sessions/{session_id}"
     m = api_models

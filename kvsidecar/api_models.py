@@ -207,6 +207,8 @@ class FleetView(BaseModel):
     heartbeat_age_s: float | None = Field(description="since the last successful heartbeat")
     publish_queue: int
     publish_dropped: int
+    owned_sessions: int = Field(description="session keys whose ownership (fencing token) this host holds")
+    fenced: int = Field(description="writes of a session's files refused: another host owns it now")
 
 
 class StatusResponse(BaseModel):
@@ -278,3 +280,6 @@ class GcResponse(BaseModel):
     snapshots_after: int
     unmet: list[str]
     policy: GcPolicy
+    fleet: str | None = Field(
+        None, description="fleet mode: `leader` (this pass covered the shared directory) or `not leader`"
+    )

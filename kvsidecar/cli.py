@@ -120,7 +120,9 @@ def _offline_sessions(config: Config) -> list[dict[str, Any]]:
     from kvsidecar.store.snapshots import SnapshotStore
 
     store = SnapshotStore(
-        state_dir=config.state_dir, snapshot_dirs={n: s.snapshot_dir for n, s in config.servers.items()}
+        state_dir=config.state_dir,
+        snapshot_dirs={n: s.snapshot_dir for n, s in config.servers.items()},
+        shared_dir=config.fleet.metadata_dir(),
     )
     store.load_readonly()
     views = (
@@ -171,7 +173,9 @@ def _offline_gc(config: Config) -> dict[str, Any]:
     from kvsidecar.store.snapshots import SnapshotStore
 
     store = SnapshotStore(
-        state_dir=config.state_dir, snapshot_dirs={n: s.snapshot_dir for n, s in config.servers.items()}
+        state_dir=config.state_dir,
+        snapshot_dirs={n: s.snapshot_dir for n, s in config.servers.items()},
+        shared_dir=config.fleet.metadata_dir(),
     )
     store.load_readonly()
     job = RetentionJob(store=store, config=config.retention, metrics=Metrics(), protected_keys=set)

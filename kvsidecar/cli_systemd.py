@@ -26,7 +26,15 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel
 
-from kvsidecar.config import ApiConfig, Config, ServerConfig, find_config, is_loopback, load_config
+from kvsidecar.config import (
+    ApiConfig,
+    Config,
+    FleetConfig,
+    ServerConfig,
+    find_config,
+    is_loopback,
+    load_config,
+)
 from kvsidecar.config_yaml import read_mapping
 from kvsidecar.errors import UnitPathUnsafe
 from kvsidecar.store.atomic import atomic_write_bytes
@@ -57,6 +65,8 @@ def _config_paths(config: Config) -> dict[str, str]:
     for key in ("token_file", "unix_socket"):
         if (value := getattr(config.api, key)) is not None:
             paths[f"api.{key}"] = str(value)
+    if (shared := config.fleet.metadata_dir()) is not None:
+        paths["fleet.shared_dir"] = str(shared)
     return paths
 
 
@@ -78,6 +88,7 @@ def _written_paths(config_file: Path | None, config: Config) -> dict[str, str]:
             written[f"servers.{name}.{key}"] = _written(section, key, ServerConfig)
     for key in ("token_file", "unix_socket"):
         written[f"api.{key}"] = _written(api, key, ApiConfig)
+    written["fleet.shared_dir"] = _written(data.get("fleet"), "shared_dir", FleetConfig)
     return {what: written[what] for what in _config_paths(config)}
 
 
@@ -103,12 +114,19 @@ def _snapshot_dirs(config: Config) -> dict[str, str]:
     return {f"servers.{name}.snapshot_dir": str(s.snapshot_dir) for name, s in config.servers.items()}
 
 
+def _kv_dirs(config: Config) -> dict[str, str]:
+    """Every directory kvsidecar writes besides state_dir: the snapshot directories and, in fleet mode, the
+    shared metadata directory (fleet.shared_dir)."""
+    shared = config.fleet.metadata_dir()
+    return _snapshot_dirs(config) | ({"fleet.shared_dir": str(shared)} if shared is not None else {})
+
+
 def unit_params(args: argparse.Namespace, config: Config, problems: list[PathProblem]) -> UnitParams:
     """The units' values, every path absolute; what cannot be made so is added to problems."""
     server = next(iter(config.servers.values()))
     default_exe = shutil.which("kvsidecar") or str(Path(sys.executable).with_name("kvsidecar"))
     config_path = args.config_path or find_config(args.config).path or "/etc/kvsidecar/config.yaml"
-    snapshots = list(dict.fromkeys(_snapshot_dirs(config).values()))
+    snapshots = list(dict.fromkeys(_kv_dirs(config).values()))
     writable = snapshots[1:]
     if config.api.unix_socket is not None and str(config.api.unix_socket).startswith("/"):
         directory, problem = socket_directory(
@@ -141,7 +159,7 @@ def check(config: Config, params: UnitParams, written: dict[str, str]) -> list[P
     form = literal + form_problems({k: v for k, v in config_paths.items() if k not in not_literal})
     malformed = {p.what for p in form}
     well_formed = {k: v for k, v in config_paths.items() if k not in malformed}
-    snapshots = {k: v for k, v in _snapshot_dirs(config).items() if k not in malformed}
+    snapshots = {k: v for k, v in _kv_dirs(config).items() if k not in malformed}
     nested = nested_problems(params.state_dir, snapshots) if "state_dir" not in malformed else []
     given = {
         "--kvsidecar": params.kvsidecar,
@@ -149,7 +167,7 @@ def check(config: Config, params: UnitParams, written: dict[str, str]) -> list[P
         "--llama-server": params.llama_server,
         "--model": params.model,
     }
-    rendered = {**given, "state_dir": params.state_dir, **_snapshot_dirs(config)}
+    rendered = {**given, "state_dir": params.state_dir, **_kv_dirs(config)}
     rendered = {k: v for k, v in rendered.items() if k not in not_literal}
     rendered |= {f"ReadWritePaths= {p}": p for p in params.kv_writable}
     names = {"--user": params.user, "--llama-user": params.llama_user, "--group": params.group}

@@ -275,13 +275,22 @@ class FleetConfig(_Model):
     host_id: Annotated[str, AfterValidator(_host_id)] | None = None  # null: this machine's hostname
     # This kvsidecar's hook API as the other hosts reach it (null: http://<api.listen>)
     advertise_url: BaseUrl | None = None
+    # This kvsidecar's proxy listener as the other hosts reach it (null: http://<proxy.listen>)
+    advertise_proxy_url: BaseUrl | None = None
     key_prefix: Annotated[str, AfterValidator(_host_id)] = "kvsidecar"  # two fleets may share a Redis
     heartbeat_s: float = Field(default=2.0, gt=0)
     host_ttl_s: float = Field(default=6.0, gt=0)  # a host whose record is older than this is gone
     owner_lease_ttl_s: float = Field(default=30.0, gt=0)
+    # The directory on the shared filesystem for manifests, fingerprints and fence files (one copy for the
+    # whole fleet; every host mounts it at the same path). Required when enabled.
+    shared_dir: PathValue | None = None
+    # Seconds a hook call forwarded to another host may take (it may wait for a slot and a restore).
+    forward_timeout_s: float = Field(default=600.0, gt=0)
 
     def problems(self) -> list[str]:
         out = []
+        if self.enabled and self.shared_dir is None:
+            out.append("fleet.shared_dir: required when fleet.enabled (a directory on the shared filesystem)")
         if self.host_ttl_s <= self.heartbeat_s:
             out.append("fleet.host_ttl_s: must be longer than fleet.heartbeat_s (a live host would expire)")
         if self.owner_lease_ttl_s <= self.heartbeat_s:
@@ -290,8 +299,17 @@ class FleetConfig(_Model):
             out.append("fleet.host_id: this machine's hostname is not a valid host id; set one")
         return out
 
+    def metadata_dir(self) -> Path | None:
+        """Where the store keeps manifests, fingerprints and fences: the shared directory in fleet mode."""
+        return self.shared_dir if self.enabled else None
+
     def effective_host_id(self) -> str:
         return self.host_id if self.host_id is not None else socket.gethostname()
+
+
+def _nested(a: Path, b: Path) -> bool:
+    a, b = Path(os.path.abspath(a)), Path(os.path.abspath(b))
+    return a == b or a in b.parents or b in a.parents
 
 
 class LoggingConfig(_Model):
@@ -344,10 +362,24 @@ class Config(_Model):
         return out
 
     def _advertise_problems(self) -> list[str]:
+        out = []
         host = self.api.host
         if self.fleet.advertise_url is None and host in ("0.0.0.0", "::", ""):
-            return [f"fleet.advertise_url: required when api.listen is the wildcard {host!r}"]
-        return []
+            out.append(f"fleet.advertise_url: required when api.listen is the wildcard {host!r}")
+        proxy_host = self.proxy.host
+        wild = proxy_host in ("0.0.0.0", "::", "")
+        if self.proxy.enabled and self.fleet.advertise_proxy_url is None and wild:
+            out.append(
+                f"fleet.advertise_proxy_url: required when proxy.listen is the wildcard {proxy_host!r}"
+            )
+        shared = self.fleet.shared_dir
+        if shared is not None:
+            others = [("state_dir", self.state_dir)]
+            others += [(f"servers.{n}.snapshot_dir", s.snapshot_dir) for n, s in self.servers.items()]
+            for key, path in others:
+                if _nested(shared, path):
+                    out.append(f"fleet.shared_dir: must be apart from {key} (neither inside the other)")
+        return out
 
     def advertise_url(self) -> str:
         """The hook API as the fleet's other hosts reach it."""
@@ -355,6 +387,15 @@ class Config(_Model):
             return self.fleet.advertise_url
         host = self.api.host
         return f"http://{'[' + host + ']' if ':' in host else host}:{self.api.port}"
+
+    def advertise_proxy_url(self) -> str | None:
+        """The proxy listener as the fleet's other hosts reach it (None: no proxy here)."""
+        if not self.proxy.enabled:
+            return None
+        if self.fleet.advertise_proxy_url is not None:
+            return self.fleet.advertise_proxy_url
+        host = self.proxy.host
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.proxy.port}"
 
     def _proxy_problems(self, known: list[str]) -> list[str]:
         proxy = self.proxy

@@ -138,6 +138,14 @@ class MetadataIO(SnapshotError):
     default_hint = "Check that kvsidecar's state_dir exists, is writable and the disk is not full."
 
 
+class Fenced(MetadataIO):
+    """Fleet mode: a manifest commit or delete under a fencing token lower than the one the shared store
+    has recorded for the session key: another host took the session over; this host's copy is stale."""
+
+    code = "KV_FLEET_FENCED"
+    default_hint = "Another host owns this session now; nothing was written. Its next turn is served there."
+
+
 class RequestError(KvError):
     code = "KV_BAD_REQUEST"
 
@@ -256,6 +264,7 @@ HTTP_STATUS: dict[str, int] = {
     SnapshotCorrupt.code: 409,
     ManifestInvalid.code: 500,
     MetadataIO.code: 500,
+    Fenced.code: 409,
     BadRequest.code: 400,
     InvalidSessionId.code: 400,
     LeaseNotFound.code: 404,

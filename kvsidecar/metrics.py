@@ -136,7 +136,8 @@ class Metrics:
         self.save_skipped = Counter(
             PREFIX + "save_skipped",
             "Evictions without a save, by reason (recompute_cheaper: the last snapshot is a prefix of the "
-            "slot and recomputing the rest is predicted cheaper than writing it)",
+            "slot and recomputing the rest is predicted cheaper than writing it; not_owner: fleet mode, "
+            "another host owns the session now)",
             ["server", "reason"],
             registry=r,
         )

@@ -36,9 +36,10 @@ errors, `X-KV-*` headers) is `kvsidecar.proxy_answers`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.types import Message, Receive, Scope, Send
 
@@ -66,9 +67,12 @@ from kvsidecar.errors import (
 from kvsidecar.listener import Limits, ListenerState
 from kvsidecar.proxy_answers import error_answer, kv_headers, openai_error
 from kvsidecar.proxy_forward import Forwarder, Outbound, Release, hop_by_hop, lifespan
-from kvsidecar.router import ClientGone, read_body, refuse
+from kvsidecar.router import HOP_HEADER, ClientGone, read_body, refuse
 from kvsidecar.store.naming import validate_session_id
-from kvsidecar.upstream import Upstream
+from kvsidecar.upstream import Upstream, UpstreamError, UpstreamTimeout
+
+if TYPE_CHECKING:
+    from kvsidecar.fleet.routing import FleetRouter
 
 log = logging.getLogger("kvsidecar.proxy")
 AUX_PURPOSE = "proxy"
@@ -97,6 +101,15 @@ class _Sent:
     async def __call__(self, message: Message) -> None:
         self.started = True
         await self.send(message)
+
+
+def _no_fleet() -> FleetRouter | None:
+    return None
+
+
+async def _peer_working(_slot: int | None) -> bool:
+    """Another host's proxy that is silent is working on the request (its own limits end it)."""
+    return True
 
 
 class Proxy:
@@ -133,8 +146,13 @@ class Proxy:
         self.session_header = self.cfg.session_header.lower().encode()
         self.model_in_identity = self.cfg.identity == "session+model"
         self.listener = ListenerState("proxy", Limits.of(self.cfg), shape=openai_error)
+        # fleet mode: the router once it runs (set by the daemon), and a forwarder per peer proxy
+        self.fleet: Callable[[], FleetRouter | None] = _no_fleet
+        self._peers: dict[str, Forwarder] = {}
 
     async def aclose(self) -> None:
+        for forwarder in self._peers.values():
+            await forwarder.upstream.aclose()
         await self.upstream.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -238,10 +256,17 @@ class Proxy:
     def _kv_headers(self, call: _Call, lease: AcquireResult) -> list[tuple[bytes, bytes]] | None:
         if call.session is None:
             return None  # an auxiliary request is no session's: nothing to say about one
-        return kv_headers(lease, restore_enabled=self.coordinator.config.restore.enabled)
+        out = kv_headers(lease, restore_enabled=self.coordinator.config.restore.enabled)
+        router = self.fleet()
+        if router is not None:  # fleet mode: which host served it
+            out.append((b"x-kv-host", router.host_id.encode()))
+        return out
 
     async def _on_slot(self, scope: Scope, receive: Receive, send: Send, call: _Call) -> None:
         """Acquire (the session, or an auxiliary lease), pin, forward, release."""
+        router = self.fleet()
+        if router is not None and await self._to_peer(router, scope, receive, send, call):
+            return  # fleet mode: another host's proxy served it
         if self.provider is None or not self.coordinator.config.enabled:  # no slot of it is managed
             why = "unmanaged provider" if self.provider is None else "disabled"
             bypass = AcquireResult(outcome=Outcome.BYPASS, reason=why)
@@ -285,6 +310,59 @@ class Proxy:
             )
         finally:
             await release(status, timings)  # a no-op when the pump already released at the answer's end
+
+    async def _to_peer(
+        self, router: FleetRouter, scope: Scope, receive: Receive, send: Send, call: _Call
+    ) -> bool:
+        """Fleet mode: a session that belongs on another host goes to that host's proxy, whole (the client's
+        headers, token and session id; the body as it came), and its answer streams back. False: served
+        here (it belongs here, or the other host could not be reached: then the session is taken over)."""
+        if call.session is None or self.provider is None:
+            return False
+        headers = dict(scope.get("headers", []))
+        raw_hop = headers.get(HOP_HEADER.lower().encode(), b"")
+        hop = int(raw_hop) if len(raw_hop) == 1 and raw_hop.isdigit() else 0
+        key, server = self.coordinator.session_key(call.session, self.provider, self._model_label(call), None)
+        if key is None or server is None:
+            return False
+        target = await router.proxy_target(key, server, hop)
+        if target is None:
+            return False
+        host_id, url = target
+        drop = hop_by_hop(scope["headers"]) | {HOP_HEADER.lower().encode()}
+        out_headers = [(k, v) for k, v in scope["headers"] if k not in drop]
+        out_headers.append((HOP_HEADER.lower().encode(), str(hop + 1).encode()))
+        path = call.path
+        if scope.get("query_string"):
+            path += "?" + scope["query_string"].decode("latin-1")
+        out = Outbound(method=scope["method"], path=path, body=call.body, headers=out_headers)
+        failed: list[UpstreamError] = []
+
+        def unreachable(exc: UpstreamError) -> bool:
+            if isinstance(exc, UpstreamTimeout):
+                return False  # it is working on it, silently: answered as any silent upstream
+            failed.append(exc)
+            return True
+
+        result, _ = await self._peer(url).forward(scope, out, receive, send, no_answer=unreachable)
+        if failed:
+            await router.proxy_unreachable(key, host_id, failed[0])
+            return False
+        self.requests.labels("fleet", result or "aborted").inc()
+        return True
+
+    def _peer(self, url: str) -> Forwarder:
+        """The forwarder to another host's proxy (one per URL, its connections kept)."""
+        forwarder = self._peers.get(url)
+        if forwarder is None:
+            server = self.coordinator.config.servers[self.cfg.server]
+            upstream = Upstream(
+                url,
+                connect_timeout_s=server.connect_timeout_s,
+                read_timeout_s=self.cfg.upstream_timeout_s,
+            )
+            forwarder = self._peers[url] = Forwarder(upstream, _peer_working, peer=True)
+        return forwarder
 
     def _outbound(
         self, scope: Scope, path: str, body: bytes, *, authenticated: bool, pinned: bool

@@ -65,10 +65,11 @@ def hop_by_hop(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     return names
 
 
-def answer_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """llama-server's answer headers as the client gets them (before the proxy's own X-KV-*)."""
+def answer_headers(headers: list[tuple[bytes, bytes]], *, peer: bool = False) -> list[tuple[bytes, bytes]]:
+    """llama-server's answer headers as the client gets them (before the proxy's own X-KV-*). `peer`: the
+    answer of another host's kvsidecar proxy (fleet mode), whose X-KV-* headers are the session's."""
     drop = (hop_by_hop(headers) - {b"content-length"}) | ANSWER_DROP
-    return [(k, v) for k, v in headers if k not in drop and not k.startswith(b"x-kv-")]
+    return [(k, v) for k, v in headers if k not in drop and (peer or not k.startswith(b"x-kv-"))]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,9 +139,16 @@ class Release:
 class Forwarder:
     """Sends requests to one llama-server and streams the answers back."""
 
-    def __init__(self, upstream: Upstream, still_working: Callable[[int | None], Awaitable[bool]]) -> None:
+    def __init__(
+        self,
+        upstream: Upstream,
+        still_working: Callable[[int | None], Awaitable[bool]],
+        *,
+        peer: bool = False,
+    ) -> None:
         self.upstream = upstream
         self.still_working = still_working  # is llama-server still at work on slot N (None: any)?
+        self.peer = peer  # the upstream is another host's kvsidecar proxy (fleet mode), not llama-server
 
     async def forward(
         self,
@@ -152,10 +160,12 @@ class Forwarder:
         extra: list[tuple[bytes, bytes]] | None = None,
         release: Release | None = None,
         slot_id: int | None = None,
+        no_answer: Callable[[UpstreamError], bool] | None = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """Stream one request to llama-server and its answer back. Returns (result, timings), result: ok /
         error (llama-server's answer was an HTTP error, or it failed mid-answer) / unavailable / timeout
-        (no answer: the proxy answered with an error) / None (the client left first)."""
+        (no answer: the proxy answered with an error) / None (the client left first). `no_answer`: asked
+        when the upstream gave no answer; True means the caller answers the client itself ("unanswered")."""
 
         async def busy() -> bool:
             """Asked after `proxy.upstream_timeout_s` of silence: is llama-server still working on it?"""
@@ -169,6 +179,8 @@ class Forwarder:
             except UpstreamError as exc:
                 if release is not None:  # ended before the client hears of it, as after an answer
                     await release("error", None)
+                if no_answer is not None and no_answer(exc):
+                    return "unanswered", None
                 return await self._no_answer(exc, scope, receive, send), None
             tail = Tail()
             try:
@@ -176,7 +188,7 @@ class Forwarder:
                     {
                         "type": "http.response.start",
                         "status": response.status_code,
-                        "headers": answer_headers(response.headers) + (extra or []),
+                        "headers": answer_headers(response.headers, peer=self.peer) + (extra or []),
                     }
                 )
                 if not await self._pump(response, send, tail, release):

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import psutil
 
@@ -31,7 +31,7 @@ from kvsidecar.config import RetentionConfig
 from kvsidecar.errors import KvError
 from kvsidecar.logs import event
 from kvsidecar.metrics import Metrics
-from kvsidecar.store.naming import Generation
+from kvsidecar.store.naming import Generation, parse_snapshot_name
 from kvsidecar.store.snapshots import LooseFile, SnapshotStore
 
 log = logging.getLogger("kvsidecar.retention")
@@ -244,9 +244,10 @@ class RetentionJob:
         self.disk_usage = disk_usage or _psutil_disk
         self._lock = asyncio.Lock()  # one pass at a time
         self.last_report: dict[str, Any] | None = None
+        self.fleet: FleetRetention | None = None  # fleet mode: only the leader runs, over the shared store
 
-    def inventory(self) -> tuple[list[FileInfo], dict[str, Disk]]:
-        protected = self.protected_keys()
+    def inventory(self, also_protected: set[str] | None = None) -> tuple[list[FileInfo], dict[str, Disk]]:
+        protected = self.protected_keys() | (also_protected or set())
         inflight = self.store.inflight()
         files: list[FileInfo] = []
         for m in self.store.all():
@@ -282,14 +283,29 @@ class RetentionJob:
 
     async def run(self, *, dry_run: bool = False) -> dict[str, Any]:
         async with self._lock:
-            files, disks = await asyncio.to_thread(self.inventory)
+            fleet_protected: set[str] | None = None
+            if self.fleet is not None:
+                # fleet: the leader alone, after re-reading the shared manifests; what any live host holds
+                # resident or owns is protected like this host's own
+                fleet_protected = await self.fleet.prepare()
+                if fleet_protected is None:
+                    return self._not_leader(dry_run)
+            files, disks = await asyncio.to_thread(self.inventory, fleet_protected)
             the_plan = plan(files, self.policy, disks, self.clock())
             deleting = not dry_run and self.config.delete
             done: list[dict[str, Any]] = []
             for d in the_plan.deletions:
                 entry = _describe(d)
+                key = d.file.key or _orphan_key(d.file)
                 if deleting and d.file.key is not None and d.file.key in self.protected_keys():
                     entry["deleted"], entry["skipped"] = False, "became active"
+                elif (
+                    deleting
+                    and self.fleet is not None
+                    and key is not None
+                    and not await self.fleet.claim(key)
+                ):
+                    entry["deleted"], entry["skipped"] = False, "owned by another host"
                 elif deleting:
                     entry["deleted"] = await asyncio.to_thread(self._delete, d)
                     if entry["deleted"]:
@@ -319,6 +335,8 @@ class RetentionJob:
                 "unmet": the_plan.unmet,
                 "policy": asdict(self.policy),
             }
+            if self.fleet is not None:
+                report["fleet"] = "leader"
             if the_plan.unmet:
                 event(
                     log,
@@ -329,6 +347,23 @@ class RetentionJob:
                 )
             self.last_report = report
             return report
+
+    def _not_leader(self, dry_run: bool) -> dict[str, Any]:
+        """Fleet mode on a host that does not lead: the shared directory is the leader's to clean."""
+        return {
+            "dry_run": dry_run,
+            "deletion_enabled": self.config.delete,
+            "deletions": [],
+            "freed_bytes": 0,
+            "planned_bytes": 0,
+            "bytes_before": 0,
+            "bytes_after": 0,
+            "snapshots_before": 0,
+            "snapshots_after": 0,
+            "unmet": [],
+            "policy": asdict(self.policy),
+            "fleet": "not leader",
+        }
 
     def _delete(self, d: Deletion) -> bool:
         f = d.file
@@ -360,6 +395,23 @@ class RetentionJob:
                 error=exc.message,
             )
             return False
+
+
+class FleetRetention(Protocol):
+    async def prepare(self) -> set[str] | None:
+        """None: this host does not lead (nothing to do). Else: the shared manifests were re-read, and the
+        keys any live host holds resident or owns (never deleted)."""
+        ...
+
+    async def claim(self, key: str) -> bool:
+        """Take the key's ownership (and its fencing token) before deleting its files; False: another
+        host owns it (skip it)."""
+        ...
+
+
+def _orphan_key(f: FileInfo) -> str | None:
+    parsed = parse_snapshot_name(f.name) if f.kind == "orphan" else None
+    return parsed[0] if parsed is not None else None
 
 
 def _describe(d: Deletion) -> dict[str, Any]:

@@ -174,6 +174,7 @@ class Call:
     params: dict[str, str]
     query: BaseModel | None = None
     body: BaseModel | None = None
+    hop: int = 0  # fleet mode: how many hosts forwarded this call already (X-KV-Fleet-Hop)
 
     def body_as(self, model: type[M]) -> M:
         if not isinstance(self.body, model):
@@ -208,6 +209,13 @@ class Route:
 
 
 _PARAM = re.compile(r"\{(\w+)\}")
+HOP_HEADER = "X-KV-Fleet-Hop"
+
+
+def _hop(headers: dict[bytes, bytes]) -> int:
+    """The fleet hop count a peer set (one digit; anything else counts as none)."""
+    raw = headers.get(HOP_HEADER.lower().encode(), b"")
+    return int(raw) if len(raw) == 1 and raw.isdigit() else 0
 
 
 class Router:
@@ -314,11 +322,15 @@ class Router:
             body = await read_body(receive, self.max_bytes)
         except ClientGone:
             return  # nobody to answer
-        response = await self._respond(scope, matched, body)
+        response = await self._respond(scope, matched, body, _hop(headers))
         await response(scope, receive, send)
 
     async def _respond(
-        self, scope: Scope, matched: tuple[Route, dict[str, str]] | JSONResponse, body: bytes | None
+        self,
+        scope: Scope,
+        matched: tuple[Route, dict[str, str]] | JSONResponse,
+        body: bytes | None,
+        hop: int = 0,
     ) -> Response:
         if body is None:
             return error_response(PayloadTooLarge(f"request body is over {self.max_bytes} bytes"))
@@ -330,6 +342,7 @@ class Router:
                 params={name: self.params[name].convert(value) for name, value in raw.items()},
                 query=_query(route.query, scope) if route.query is not None else None,
                 body=_body(route.body, body) if route.body is not None else None,
+                hop=hop,
             )
             result = await route.handler(call)
             return result if isinstance(result, Response) else JsonResponse(result)

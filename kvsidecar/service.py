@@ -46,6 +46,7 @@ from kvsidecar.store.watcher import SnapshotWatcher
 
 if TYPE_CHECKING:
     from kvsidecar.fleet.agent import FleetAgent
+    from kvsidecar.fleet.routing import FleetRouter
 
 log = logging.getLogger("kvsidecar.service")
 
@@ -91,6 +92,7 @@ class Daemon:
             state_dir=config.state_dir,
             snapshot_dirs={name: s.snapshot_dir for name, s in config.servers.items()},
             verify_checksum=config.restore.verify_checksum,
+            shared_dir=config.fleet.metadata_dir(),
         )
         if backends is None:
             backends = {name: LlamaCppBackend.from_config(s) for name, s in config.servers.items()}
@@ -116,6 +118,7 @@ class Daemon:
         self.listener: ListenerState | None = None  # the API listener's connection state, once serving
         self.setup_warnings: list[SetupWarning] = []  # found at start (a snapshot_dir llama-server ignores)
         self.fleet: FleetAgent | None = None  # fleet mode (docs/FLEET.md), when fleet.enabled
+        self.fleet_router: FleetRouter | None = None  # routes hook calls between hosts (fleet mode)
 
     async def start(self) -> None:
         if self.state_lock is None:
@@ -148,8 +151,16 @@ class Daemon:
         await self.coordinator.start()
         if self.config.fleet.enabled:  # imported only here: single-host mode never loads redis
             from kvsidecar.fleet.agent import FleetAgent
+            from kvsidecar.fleet.gate import FleetGate, LeaderRetention
+            from kvsidecar.fleet.routing import FleetRouter
 
             self.fleet = FleetAgent(self.config, self.coordinator)
+            # from here on every write of a key's files is fenced, and only this host's keys are written
+            gate = FleetGate(self.fleet, self.store.fence_with)
+            self.coordinator.ownership.gate = gate
+            self.fleet.gate = gate
+            self.retention.fleet = LeaderRetention(self.fleet, gate, self.store.reload_all)
+            self.fleet_router = FleetRouter(self.fleet, gate, self.coordinator, self.token)
             self.fleet.start()  # returns at once: a Redis that is down is retried by its heartbeat
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not on the main thread (tests)
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
@@ -255,9 +266,12 @@ class Daemon:
                 self._reload_task.cancel()
             if self.watcher is not None:
                 self.watcher.stop()
+            if self.fleet_router is not None:
+                await self.fleet_router.aclose()
+                self.fleet_router = None
+            await self.coordinator.aclose()  # its shutdown checkpoints still claim their keys on Redis
             if self.fleet is not None:
                 await self.fleet.aclose()
-            await self.coordinator.aclose()
         finally:
             self._release_lock()
 
@@ -277,6 +291,7 @@ class Daemon:
             max_body_bytes=self.config.api.max_body_bytes,
             check_host=is_loopback(self.config.api.host),
             lifespan=lifespan,
+            fleet=lambda: self.fleet_router,
         )
 
 
@@ -398,6 +413,7 @@ def build_proxy(config: Config, daemon: Daemon) -> tuple[NotifyingServer, list[s
     _check_bind(config, "proxy")
     sock = _tcp_socket("proxy.listen", config.proxy.host, config.proxy.port)
     proxy = Proxy(daemon.coordinator, config, token=daemon.token, check_host=is_loopback(config.proxy.host))
+    proxy.fleet = lambda: daemon.fleet_router  # fleet mode: sessions follow their KV to another host's proxy
     server = _uvicorn(proxy, lifespan="off", listener=proxy.listener)
     return server, [sock], proxy
 

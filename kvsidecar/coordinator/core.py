@@ -38,6 +38,7 @@ from kvsidecar.coordinator.canary import sweep_canary_files
 from kvsidecar.coordinator.checkpoint import CheckpointPolicy
 from kvsidecar.coordinator.costs import CostModel
 from kvsidecar.coordinator.leases import LeaseTable
+from kvsidecar.coordinator.ownership import KeyOwnership
 from kvsidecar.coordinator.pool import SlotPool, owner_slot
 from kvsidecar.coordinator.restore import Restorer
 from kvsidecar.coordinator.runtime import RuntimeGuard
@@ -46,7 +47,7 @@ from kvsidecar.coordinator.server import ProcessFinder, ServerRuntime, build_ser
 from kvsidecar.coordinator.sessions import SessionEvent, SessionTable, track_context
 from kvsidecar.coordinator.state import AcquireResult, Lease, Outcome, SessionRuntime, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
-from kvsidecar.errors import LeaseNotFound, NotFound
+from kvsidecar.errors import KvError, LeaseNotFound, NotFound
 from kvsidecar.metrics import Metrics
 from kvsidecar.store.fingerprint import FileDigestCache, ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity, validate_label, validate_session_id
@@ -95,6 +96,8 @@ class Coordinator:
             quota_bytes=lambda: self.config.retention.max_total_bytes,
         )
         self.guard = RuntimeGuard(sessions=self.sessions, pool=self.pool, telemetry=self.telemetry)
+        # who may write a key's files: always this host, unless fleet mode installs its gate
+        self.ownership = KeyOwnership(store=store, sessions=self.sessions, servers=self.servers)
         self.restorer = Restorer(
             config=config,
             store=store,
@@ -111,6 +114,7 @@ class Coordinator:
             telemetry=self.telemetry,
             costs=self.costs,
             monotonic=monotonic,
+            ownership=self.ownership,
         )
         self.checkpoints = CheckpointPolicy(
             config=config,
@@ -198,6 +202,23 @@ class Coordinator:
         name = self.config.server_for(provider)
         return self.servers[name] if name is not None else None
 
+    def session_key(
+        self, session_id: str, provider: str, model: str, purpose: str | None
+    ) -> tuple[str | None, str | None]:
+        """(identity key, server) an acquire of these would manage; (None, None) for a bypass or an
+        auxiliary request (fleet routing: nothing to route by). Bad labels are left to acquire."""
+        srv = self.route(provider)
+        if srv is None or purpose is not None or not self.config.enabled:
+            return None, None
+        try:
+            validate_label("provider", provider)
+            validate_label("model", model)
+            validate_session_id(session_id)
+        except KvError:
+            return None, None
+        key = SnapshotIdentity(server=srv.name, provider=provider, model=model, session_id=session_id).key
+        return key, srv.name
+
     async def acquire(
         self,
         session_id: str | None,
@@ -220,6 +241,9 @@ class Coordinator:
             # Invariant 7: auxiliary requests never become a session's state.
             return await self._acquire(srv, None, seq=None)
         identity = SnapshotIdentity(server=srv.name, provider=provider, model=model, session_id=session_id)
+        # fleet: take (or keep) the key before touching it; a stale local copy is dropped first. A host
+        # that may not write it still serves the session (a restore is a read); its saves are refused.
+        await self.ownership.claim(identity.key)
         return await self._acquire(srv, identity, seq=seq)
 
     async def _acquire(
@@ -397,7 +421,8 @@ class Coordinator:
         freed = 0
         for rt in found:
             await self._disown(rt)
-            freed += await asyncio.to_thread(self.store.purge, rt.key)
+            if (await self.ownership.claim(rt.key)).write:  # fleet: only the key's owner deletes its files
+                freed += await asyncio.to_thread(self.store.purge, rt.key)
         return {"purged": len(found), "bytes_freed": freed}
 
     async def with_slot(self, server: str, fn: Callable[[int], Awaitable[T]]) -> T:

@@ -23,12 +23,13 @@ from kvsidecar.backend.base import SaveResult
 from kvsidecar.config import Config
 from kvsidecar.coordinator.breaker import BreakerState
 from kvsidecar.coordinator.costs import CostModel
+from kvsidecar.coordinator.ownership import KeyOwnership
 from kvsidecar.coordinator.runtime import RuntimeGuard
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
 from kvsidecar.coordinator.state import SessionRuntime, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
-from kvsidecar.errors import KvError, SaveFailed
+from kvsidecar.errors import Fenced, KvError, SaveFailed
 from kvsidecar.store.fingerprint import RuntimeFingerprint
 from kvsidecar.store.snapshots import SavePlan, SnapshotStore
 
@@ -57,8 +58,10 @@ class Saver:
         telemetry: Telemetry,
         costs: CostModel,
         monotonic: Callable[[], float] = time.monotonic,
+        ownership: KeyOwnership | None = None,
     ) -> None:
         self.costs = costs
+        self.ownership = ownership
         self.config = config
         self.store = store
         self.sessions = sessions
@@ -88,6 +91,11 @@ class Saver:
         mode (its caller must see the failure) nor for a half-open breaker's trial."""
         if not rt.dirty:
             return True
+        if self.ownership is not None:  # fleet: only the key's owner writes; a stale copy is given up
+            claim = await self.ownership.claim(rt.key, keep=True)
+            if not claim.write or claim.stale:
+                self.telemetry.save_not_owner(srv.name, rt, trigger, claim.holder)
+                return False  # nothing written (a stale copy is given up: nothing of it is worth saving)
         trial = srv.breaker.state is BreakerState.HALF_OPEN
         if srv.fingerprint is None or not srv.available or not srv.breaker.allow():
             self.telemetry.save_refused(srv.name, "KV_BACKEND_UNAVAILABLE")
@@ -212,6 +220,8 @@ class Saver:
     ) -> None:
         if plan is not None:  # off the loop: it deletes the partial file
             await asyncio.to_thread(self.store.abort_save, plan, discard=True)
+        if isinstance(exc, Fenced) and self.ownership is not None:  # another host took the key over
+            await self.ownership.forget(rt.key)
         self._after_save()  # a full disk is a reason to run retention now
         self.guard.breaker_failure(srv, exc)
         self.telemetry.save_failed(srv.name, rt, trigger, exc)

@@ -264,6 +264,19 @@ class Telemetry:
             log, logging.INFO, "kv.session.save.start", session=rt.identity.short, trigger=trigger, slot=slot
         )
 
+    def save_not_owner(self, server: str, rt: SessionRuntime, trigger: str, holder: str | None) -> None:
+        """Fleet mode: a save not made because another host owns the session now (its copy is newer)."""
+        self.metrics.save_skipped.labels(server, "not_owner").inc()
+        event(
+            log,
+            logging.INFO,
+            "kv.fleet.save_skipped",
+            session=rt.identity.short,
+            trigger=trigger,
+            reason="another host owns the session",
+            holder=holder,
+        )
+
     def save_refused(self, server: str, code: str) -> None:
         """A save that was not attempted (persistence unavailable, the server restarted, ...)."""
         self.metrics.save_failure.labels(server, code).inc()

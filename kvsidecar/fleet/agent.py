@@ -36,6 +36,7 @@ from kvsidecar.logs import event
 if TYPE_CHECKING:
     from kvsidecar.config import Config
     from kvsidecar.coordinator.core import Coordinator
+    from kvsidecar.fleet.gate import FleetGate
 
 log = logging.getLogger("kvsidecar.fleet")
 
@@ -57,6 +58,7 @@ class FleetAgent:
         self.settings = fleet
         self.host_id = fleet.effective_host_id()
         self.advertise_url = config.advertise_url()
+        self.advertise_proxy_url = config.advertise_proxy_url()
         self.coordinator = coordinator
         self.op_timeout_s = OP_TIMEOUT_S
         self.client = connect(fleet.redis_url, timeout_s=self.op_timeout_s, **redis_options)
@@ -76,6 +78,7 @@ class FleetAgent:
         self._stop = asyncio.Event()
         self._write = asyncio.Lock()  # residency writes: a replace never interleaves with an event
         self._tasks: list[asyncio.Task[None]] = []
+        self.gate: FleetGate | None = None  # the write gate (fencing), installed by the service
 
     # lifecycle ---------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -97,7 +100,8 @@ class FleetAgent:
         )
 
     async def aclose(self) -> None:
-        """Stop the tasks; leave the fleet now (record, residency, leader) if Redis answers."""
+        """Stop the tasks; leave the fleet now (record, residency, leader) if Redis answers. From here on
+        the write gate acts as without Redis (only provably owned keys): the client is closed."""
         self._stop.set()
         self._wake.set()
         for task in self._tasks:
@@ -110,6 +114,7 @@ class FleetAgent:
                 await self.plane.deregister(self.host_id)
                 if self.is_leader:
                     await self.leases.resign(self.host_id)
+        self.redis_up = False
         with contextlib.suppress(*DOWN):
             await self.client.aclose()
         if self in self.coordinator.telemetry.observers:
@@ -147,7 +152,7 @@ class FleetAgent:
             try:
                 await self._publish()
             except DOWN as exc:
-                self._went_down(exc)
+                self.went_down(exc)
             except Exception:
                 log.exception("kv.fleet.publish_failed")
 
@@ -168,7 +173,7 @@ class FleetAgent:
                 async with asyncio.timeout(self.op_timeout_s * 4):
                     await self.heartbeat()
             except DOWN as exc:
-                self._went_down(exc)
+                self.went_down(exc)
             except Exception:  # a bug here must not end fleet mode for good: the next beat retries
                 log.exception("kv.fleet.heartbeat_failed")
             with contextlib.suppress(TimeoutError):
@@ -190,7 +195,7 @@ class FleetAgent:
         self.last_heartbeat = time.time()
         self._came_back()
 
-    def _went_down(self, exc: BaseException) -> None:
+    def went_down(self, exc: BaseException) -> None:
         self.ping_ms = None
         if self.redis_up or self.down_since is None:
             self.redis_up, self.down_since, self.is_leader = False, time.monotonic(), False
@@ -243,6 +248,7 @@ class FleetAgent:
             version=__version__,
             time=time.time(),
             servers=tuple(servers),
+            proxy_url=self.advertise_proxy_url,
         )
 
     def view(self) -> dict[str, Any]:
@@ -260,6 +266,8 @@ class FleetAgent:
             "heartbeat_age_s": age,
             "publish_queue": len(self.queue),
             "publish_dropped": self.dropped,
+            "owned_sessions": len(self.gate.tokens) if self.gate is not None else 0,
+            "fenced": self.gate.fence.refused if self.gate is not None else 0,
         }
 
 
@@ -281,6 +289,17 @@ class FleetCollector(Collector):
         )
         yield GaugeMetricFamily(
             "kvsidecar_fleet_leader", "1 if this host holds the fleet's leader lease", value=a.is_leader
+        )
+        gate = a.gate
+        yield CounterMetricFamily(
+            "kvsidecar_fleet_fenced",
+            "Writes and deletes of a session's files refused by the shared store's fence (a stale token)",
+            value=gate.fence.refused if gate is not None else 0,
+        )
+        yield CounterMetricFamily(
+            "kvsidecar_fleet_taken_over",
+            "Claims that found another host had owned the session since (this host's copy was dropped)",
+            value=gate.taken_over if gate is not None else 0,
         )
         yield CounterMetricFamily(
             "kvsidecar_fleet_publish_dropped",

@@ -15,10 +15,13 @@ Ownership of session key K (the host allowed to hold K in a slot and to commit i
 
 What this guarantees, and what it does not: Redis tells a holder whether its token is still the current
 one at the moment it asks. It cannot stop a paused holder that already checked from writing afterwards.
-That is closed on the storage side: every manifest commit and delete carries the token and the store
-refuses a token lower than the highest it has recorded for K (the classic fencing rule). **That store-side
-check is not built yet** (the next stop of issue 18); today these scripts are the tokens' source and the
-advisory check.
+That is closed on the storage side (`kvsidecar.store.fence`): every manifest commit and delete carries the
+token and the store refuses a token lower than the highest it has recorded for K (the classic fencing rule).
+
+A holder whose host record has expired (the host stopped heartbeating: dead, paused or partitioned) loses
+the key to the next take at once, without waiting for its lease to run out; `force` takes it from a live
+holder that cannot be reached. Either way the old holder's token is below the new one, so the store
+refuses whatever it writes afterwards.
 
 The leader lease (fleet-wide retention): `campaign(H, ttl)` takes the leader key if it is free (SET NX PX)
 or renews it if H holds it (compare-and-renew); `leader()` names the current leader, or None.
@@ -30,7 +33,9 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-# KEYS[1] owner key, KEYS[2] fence counter; ARGV[1] host id, ARGV[2] ttl in ms.
+# KEYS[1] owner key, KEYS[2] fence counter, KEYS[3] the holder's host record key prefix ("P:host:");
+# ARGV[1] host id, ARGV[2] ttl in ms, ARGV[3] "1" to take over from a live holder (it cannot be reached).
+# A holder whose host record has expired (a dead host) is taken over without asking.
 # Returns {granted (0/1), token, holder, new (0/1)}.
 _TAKE = """
 local cur = redis.call('GET', KEYS[1])
@@ -42,7 +47,9 @@ if cur then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
     return {1, token, holder, 0}
   end
-  return {0, token, holder, 0}
+  if ARGV[3] ~= '1' and redis.call('EXISTS', KEYS[3] .. holder) == 1 then
+    return {0, token, holder, 0}
+  end
 end
 local t = redis.call('INCR', KEYS[2])
 local now = redis.call('TIME')
@@ -104,9 +111,13 @@ class Leases:
     def _keys(self, key: str) -> list[str]:
         return [f"{self.prefix}:owner:{key}", f"{self.prefix}:fence:{key}"]
 
-    async def take(self, key: str, host_id: str, ttl_s: float) -> Ownership:
-        """Take or renew ownership of session key `key` for `host_id` (see the module's guarantee)."""
-        granted, token, holder, new = await self._take(keys=self._keys(key), args=[host_id, _ms(ttl_s)])
+    async def take(self, key: str, host_id: str, ttl_s: float, *, force: bool = False) -> Ownership:
+        """Take or renew ownership of session key `key` for `host_id` (see the module's guarantee). A holder
+        whose host is no longer live loses the key at once; `force`: take it from a live holder too (it
+        cannot be reached; fencing keeps its later writes out)."""
+        keys = [*self._keys(key), f"{self.prefix}:host:"]
+        args: list[str | int] = [host_id, _ms(ttl_s), "1" if force else "0"]
+        granted, token, holder, new = await self._take(keys=keys, args=args)
         return Ownership(granted=bool(int(granted)), token=int(token), holder=str(holder), new=bool(int(new)))
 
     async def is_current(self, key: str, host_id: str, token: int) -> bool:

@@ -18,6 +18,7 @@ heartbeats (see docs/FLEET.md for what a lost fencing counter means).
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 RECORD_VERSION = 1
+HOST_ID = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")  # as kvsidecar.config's
 T = TypeVar("T")
 
 
@@ -57,6 +59,7 @@ class HostRecord:
     version: str
     time: float  # wall clock of the writer at its heartbeat (seconds since the epoch)
     servers: tuple[ServerRecord, ...] = ()
+    proxy_url: str | None = None  # its proxy listener, when it runs one
 
     def to_json(self) -> str:
         return json.dumps(
@@ -67,6 +70,7 @@ class HostRecord:
                 "version": self.version,
                 "time": self.time,
                 "servers": [s.__dict__ for s in self.servers],
+                "proxy_url": self.proxy_url,
             },
             separators=(",", ":"),
         )
@@ -79,15 +83,24 @@ class HostRecord:
             if not isinstance(data, dict) or data.get("v") != RECORD_VERSION:
                 return None
             servers = tuple(ServerRecord(**s) for s in data["servers"])
+            proxy_url = data.get("proxy_url")
+            # What this host will send its token to: a host id of ours, and http(s) URLs only.
+            if not HOST_ID.match(str(data["host_id"])) or not _url(data["advertise_url"]):
+                return None
             return cls(
                 host_id=str(data["host_id"]),
                 advertise_url=str(data["advertise_url"]),
                 version=str(data["version"]),
                 time=float(data["time"]),
                 servers=servers,
+                proxy_url=str(proxy_url) if _url(proxy_url) else None,
             )
         except (ValueError, TypeError, KeyError):
             return None
+
+
+def _url(value: object) -> bool:
+    return isinstance(value, str) and len(value) <= 512 and value.startswith(("http://", "https://"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,9 +50,14 @@ def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o600, durable: b
         _fsync_dir(path.parent)
 
 
-def sweep_temp_files(directory: Path) -> list[Path]:
+SHARED_TEMP_AGE_S = 600.0  # fleet: another host's write in progress is never this old
+
+
+def sweep_temp_files(directory: Path, *, min_age_s: float = 0.0) -> list[Path]:
     """Remove temp files a crashed write left behind. Only ours: regular files named like TEMP_FILE,
-    unlinked relative to the directory (a planted link is removed itself, never followed)."""
+    unlinked relative to the directory (a planted link is removed itself, never followed). In a directory
+    shared by several hosts, only those older than `min_age_s` (another host may be writing one now)."""
+    cutoff = time.time() - min_age_s
     removed: list[Path] = []
     try:
         dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -62,7 +68,8 @@ def sweep_temp_files(directory: Path) -> list[Path]:
             if not TEMP_FILE.match(name):
                 continue
             with contextlib.suppress(FileNotFoundError):
-                if stat.S_ISREG(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and (min_age_s <= 0 or st.st_mtime < cutoff):
                     os.unlink(name, dir_fd=dfd)
                     removed.append(directory / name)
     finally:

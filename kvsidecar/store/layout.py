@@ -15,7 +15,13 @@ from pathlib import Path
 
 from kvsidecar.errors import MetadataIO
 from kvsidecar.logs import event
-from kvsidecar.store.atomic import TEMP_FILE, ensure_private_dir, secure_directory, sweep_temp_files
+from kvsidecar.store.atomic import (
+    SHARED_TEMP_AGE_S,
+    TEMP_FILE,
+    ensure_private_dir,
+    secure_directory,
+    sweep_temp_files,
+)
 from kvsidecar.store.confined import ConfinedDir
 from kvsidecar.store.naming import FINGERPRINT_FILE, MANIFEST_FILE, SNAPSHOT_FILE
 
@@ -35,13 +41,19 @@ def _realpath(path: Path) -> Path:
 
 
 class StoreLayout:
-    def __init__(self, *, state_dir: Path, snapshot_dirs: dict[str, Path]) -> None:
+    def __init__(
+        self, *, state_dir: Path, snapshot_dirs: dict[str, Path], meta_dir: Path | None = None
+    ) -> None:
         # Directories are resolved once, here: a configured symlink is followed now (and logged at open),
         # and from then on every access opens the resolved path without following a link.
         self.configured_dirs = {name: Path(p) for name, p in snapshot_dirs.items()}
         self.state_dir = _realpath(Path(state_dir))
-        self.manifests_dir = self.state_dir / "manifests"
-        self.fingerprints_dir = self.state_dir / "fingerprints"
+        # Fleet mode: the metadata lives in the shared directory (fleet.shared_dir), one copy for every host.
+        self.shared = meta_dir is not None
+        self.meta_dir = _realpath(Path(meta_dir)) if meta_dir is not None else self.state_dir
+        self.manifests_dir = self.meta_dir / "manifests"
+        self.fingerprints_dir = self.meta_dir / "fingerprints"
+        self.fences_dir = self.meta_dir / "fences"
         self.snapshot_dirs = {name: _realpath(p) for name, p in self.configured_dirs.items()}
         self.snap = {name: ConfinedDir(p, SNAPSHOT_FILE) for name, p in self.snapshot_dirs.items()}
         self.temp = {
@@ -61,7 +73,8 @@ class StoreLayout:
         are plaintext transcripts). A snapshot directory shared with llama-server's group (setgid,
         group-writable: what install-systemd sets up) keeps exactly 2770."""
         try:
-            for d in (self.manifests_dir, self.fingerprints_dir, *self.snapshot_dirs.values()):
+            fences = [self.fences_dir] if self.shared else []
+            for d in (self.manifests_dir, self.fingerprints_dir, *fences, *self.snapshot_dirs.values()):
                 ensure_private_dir(d)
         except OSError as exc:
             raise MetadataIO(
@@ -71,7 +84,8 @@ class StoreLayout:
             if _realpath(configured) != configured.absolute():
                 event(log, logging.INFO, "kv.store.dir_resolved", server=name, path=self.snapshot_dirs[name])
         modes = DirModes()
-        dirs = [(d, False) for d in (self.state_dir, self.manifests_dir, self.fingerprints_dir)]
+        metadata = (self.state_dir, self.manifests_dir, self.fingerprints_dir)
+        dirs = [(d, False) for d in (*metadata, *([self.meta_dir, self.fences_dir] if self.shared else []))]
         dirs += [(d, True) for d in self.snapshot_dirs.values()]
         for directory, shared in dirs:
             _tighten(directory, shared, modes)
@@ -79,9 +93,11 @@ class StoreLayout:
 
     def sweep_temp_files(self) -> int:
         """Remove the temp files a crashed metadata write left behind; how many there were."""
-        return sum(
-            len(sweep_temp_files(d)) for d in (self.manifests_dir, self.fingerprints_dir, self.state_dir)
+        age = SHARED_TEMP_AGE_S if self.shared else 0.0  # another host may be writing one right now
+        shared = sum(
+            len(sweep_temp_files(d, min_age_s=age)) for d in (self.manifests_dir, self.fingerprints_dir)
         )
+        return shared + len(sweep_temp_files(self.state_dir))
 
 
 def _tighten(directory: Path, shared: bool, modes: DirModes) -> None:

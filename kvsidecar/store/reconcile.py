@@ -15,12 +15,14 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from kvsidecar.errors import KvError, MetadataIO
 from kvsidecar.logs import event
+from kvsidecar.store.atomic import SHARED_TEMP_AGE_S
 from kvsidecar.store.confined import ConfinedDir, Entry, problem
 from kvsidecar.store.layout import StoreLayout
 from kvsidecar.store.manifest import GenerationRecord
@@ -76,7 +78,7 @@ class Reconciler:
                 if not rec.valid:
                     continue
                 reason = entry_reason(present.get(rec.filename), rec, uids[m.server])
-                if reason is not None:
+                if reason is not None and not self.layout.shared:
                     self.table.mark_invalid(m.key, gen, reason)
                     report.invalidated.append((m.key, gen, reason))
         for loose in self.loose_files(temp=False):
@@ -118,8 +120,21 @@ class Reconciler:
         """Delete an orphan or temp file found by `loose_files`, re-checking against the orphan rule, with
         the table held still, that it is still loose (a save may have adopted the name since the listing)."""
         d = self.layout.temp.get(loose.area) if loose.kind == "temp" else self.layout.snap.get(loose.area)
-        if d is None or (loose.kind == "orphan" and parse_snapshot_name(loose.name) is None):
+        parsed = parse_snapshot_name(loose.name)
+        if d is None or (loose.kind == "orphan" and parsed is None):
             return False
+        if self.layout.shared:
+            # Fleet: another host may be writing it (its in-flight set is not ours): only old ones, and an
+            # orphan only under the key's fence, against its manifest as it is on the shared disk now.
+            if loose.area != "state" and time.time() - loose.mtime < SHARED_TEMP_AGE_S:
+                return False
+            if parsed is not None:
+                with self.table.fenced(parsed[0], "orphan delete"):
+                    self.table.reload(parsed[0])
+                    return self._unlink_loose(d, loose)
+        return self._unlink_loose(d, loose)
+
+    def _unlink_loose(self, d: ConfinedDir, loose: LooseFile) -> bool:
         with self.table.holding_claims(loose.name) as unclaimed:
             if loose.kind == "orphan" and not unclaimed:
                 return False
@@ -135,6 +150,9 @@ class Reconciler:
         if parsed is None or server not in self.layout.snap or (server, filename) in self.table.inflight():
             return None
         key, gen = parsed
+        fence = self.table.fence
+        if fence is not None and fence.token_for(key) is None:
+            return None  # fleet: another host's file (its owner checks it before any restore)
         manifest = self.table.get(key)
         rec = manifest.generation(gen) if manifest else None
         if manifest is None or rec is None or not rec.valid or manifest.server != server:

@@ -71,7 +71,8 @@ class SavePlanner:
                 self.table.put(manifest.with_generation(gen, None, current=current, updated_at=now))
         self.table.writing_started(identity.server, filename)
         try:
-            self._clear_target(identity.server, filename)
+            with self.table.fenced(identity.key, "save"):  # fleet: only the key's owner may clear its file
+                self._clear_target(identity.server, filename)
         except BaseException:
             self.table.writing_ended(identity.server, filename)
             raise
@@ -136,8 +137,8 @@ class SavePlanner:
         """The save is over. `discard`: it failed, so whatever the server left in the file is garbage
         (a partial write after ENOSPC, say): delete it now rather than let it hold the disk. It is never
         the kept generation (begin_save did not pick it)."""
-        if discard:
-            with contextlib.suppress(KvError, OSError):
+        if discard:  # fleet: under the key's fence (a new owner may have written that name since)
+            with contextlib.suppress(KvError, OSError), self.table.fenced(plan.identity.key, "discard"):
                 self.layout.snap[plan.identity.server].unlink(plan.filename)
         self.table.writing_ended(plan.identity.server, plan.filename)
 

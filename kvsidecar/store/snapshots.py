@@ -28,13 +28,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvsidecar.backend.base import SaveResult
-from kvsidecar.errors import KvError, MetadataIO
+from kvsidecar.errors import Fenced, KvError, MetadataIO
 from kvsidecar.store.candidates import Candidate, CandidateFinder, Rejection, VerifiedFiles
+from kvsidecar.store.fence import FenceFiles
 from kvsidecar.store.fingerprint import RuntimeFingerprint
 from kvsidecar.store.fingerprint_records import FingerprintRecords
 from kvsidecar.store.layout import StoreLayout
 from kvsidecar.store.manifest import Manifest
-from kvsidecar.store.naming import GENERATIONS, KEY, Generation, SnapshotIdentity, snapshot_filename
+from kvsidecar.store.naming import (
+    GENERATIONS,
+    KEY,
+    Generation,
+    SnapshotIdentity,
+    parse_snapshot_name,
+    snapshot_filename,
+)
 from kvsidecar.store.reconcile import LooseFile, Reconciler, ReconcileReport
 from kvsidecar.store.saving import SavePlan, SavePlanner
 from kvsidecar.store.table import (
@@ -73,8 +81,10 @@ class SnapshotStore:
         snapshot_dirs: dict[str, Path],
         verify_checksum: bool = True,
         clock: Callable[[], float] = time.time,
+        shared_dir: Path | None = None,
     ) -> None:
-        self.layout = StoreLayout(state_dir=state_dir, snapshot_dirs=snapshot_dirs)
+        # fleet mode: manifests, fingerprints and fences live in the shared directory (docs/FLEET.md)
+        self.layout = StoreLayout(state_dir=state_dir, snapshot_dirs=snapshot_dirs, meta_dir=shared_dir)
         self.configured_dirs = self.layout.configured_dirs
         self.state_dir = self.layout.state_dir
         self.manifests_dir = self.layout.manifests_dir
@@ -103,6 +113,21 @@ class SnapshotStore:
         self.reconciler.reconcile(report)
         report.elapsed_ms = (time.perf_counter() - started) * 1000
         return report
+
+    def fence_with(self, token_for: Callable[[str], int | None]) -> FenceFiles:
+        """Fleet mode: from now on every write and delete of a key's files is fenced by `token_for`."""
+        fence = FenceFiles(self.layout.fences_dir, token_for)
+        self.table.fence = fence
+        return fence
+
+    def reload_all(self) -> None:
+        """Fleet mode: re-read every manifest of the shared directory (the leader, before retention)."""
+        with self.table.updating():
+            self.table.load()
+
+    def reload(self, key: str) -> Manifest | None:
+        """Fleet mode: re-read one key's manifest (another host may have committed it since)."""
+        return self.table.reload(key)
 
     def load_readonly(self) -> None:
         """Load the manifests for a read-only look (CLI offline): no sweep, no reconcile, no writes."""
@@ -225,7 +250,11 @@ class SnapshotStore:
         return self.reconciler.delete_loose(loose)
 
     def _unlink(self, server: str, name: str) -> int:
+        parsed = parse_snapshot_name(name)
         try:
-            return self.layout.snap[server].unlink(name) or 0
+            with self.table.fenced(parsed[0] if parsed else "-", "snapshot delete"):
+                return self.layout.snap[server].unlink(name) or 0
+        except Fenced:
+            raise
         except (KvError, OSError) as exc:
             raise MetadataIO(f"cannot delete {name[:40]}: {exc}") from None

@@ -25,9 +25,10 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
-from kvsidecar.errors import KvError, ManifestInvalid, MetadataIO
+from kvsidecar.errors import Fenced, KvError, ManifestInvalid, MetadataIO
 from kvsidecar.logs import event
 from kvsidecar.store.confined import UNSAFE
+from kvsidecar.store.fence import FenceFiles
 from kvsidecar.store.layout import StoreLayout
 from kvsidecar.store.manifest import (
     BAD_NAME,
@@ -65,6 +66,8 @@ class ManifestTable:
         self._inflight: set[tuple[str, str]] = set()  # (server, filename) llama-server may be writing
         self._formats: dict[str, int] = {}  # server -> state-file version its last save wrote
         self._runtime: dict[str, str] = {}  # server -> fingerprint digest last seen for it
+        # Fleet mode: the shared store's fence files (kvsidecar.store.fence); None on a single host.
+        self.fence: FenceFiles | None = None
 
     def load(self) -> tuple[int, dict[str, str]]:
         """(Re)read every manifest file: how many loaded, and the refused ones (file name -> why)."""
@@ -95,6 +98,38 @@ class ManifestTable:
         with self._lock:
             self._manifests, self._bad = loaded, bad
         return len(loaded), dict(bad)
+
+    def reload(self, key: str) -> Manifest | None:
+        """Fleet mode: re-read one key's manifest from the shared directory (another host may have
+        committed since); a missing file forgets the key, a refused one is recorded as bad."""
+        name = f"{key}.json"
+        path = self.layout.manifests_dir / name
+        manifest: Manifest | None = None
+        problem: str | None = None
+        try:
+            if os.path.lexists(path):
+                manifest = read_manifest(path)
+        except ManifestInvalid as exc:
+            problem = exc.message
+        with self._lock:
+            self._bad.pop(name, None)
+            if manifest is None:
+                self._manifests.pop(key, None)
+                if problem is not None:
+                    self._bad[name] = problem
+            else:
+                self._manifests[key] = manifest
+        return manifest
+
+    @contextlib.contextmanager
+    def fenced(self, key: str, what: str) -> Iterator[None]:
+        """Hold around a write or delete of one key's files: in fleet mode refused (Fenced) unless this
+        host holds the key's newest fencing token; a no-op on a single host."""
+        if self.fence is None:
+            yield
+        else:
+            with self.fence.guard(key, what):
+                yield
 
     # queries -----------------------------------------------------------------------------------------
     def get(self, key: str) -> Manifest | None:
@@ -180,7 +215,8 @@ class ManifestTable:
 
     def put(self, manifest: Manifest) -> Manifest:
         try:
-            write_manifest(self.layout.manifests_dir, manifest)
+            with self.fenced(manifest.key, "manifest write"):
+                write_manifest(self.layout.manifests_dir, manifest)
         except OSError as exc:
             raise MetadataIO(f"cannot write metadata in {self.layout.state_dir}: {exc.strerror}") from None
         with self._lock:
@@ -193,7 +229,10 @@ class ManifestTable:
     def drop(self, key: str) -> None:
         """Delete a key's manifest file (or the refused file in its place) and forget it."""
         try:
-            self.layout.manifest_dir.unlink(f"{key}.json")
+            with self.fenced(key, "manifest delete"):
+                self.layout.manifest_dir.unlink(f"{key}.json")
+        except Fenced:
+            raise
         except (KvError, OSError) as exc:
             raise MetadataIO(f"cannot delete manifest {key[:8]}: {exc}") from None
         with self._lock:
@@ -210,7 +249,11 @@ class ManifestTable:
             changed = manifest.with_generation(
                 gen, replace(rec, invalid_reason=reason), updated_at=self.clock()
             )
-            self.put(changed)
+            try:
+                self.put(changed)
+            except Fenced:  # fleet: another host owns the key; it re-checks the file before any restore
+                with self._lock:
+                    self._manifests[key] = changed
 
     def touch(self, key: str, *, persist: bool = True) -> None:
         """Note a use of the snapshot (retention's LRU order); persist=False: in memory only, no write."""
@@ -219,9 +262,9 @@ class ManifestTable:
             if manifest is None:
                 return
             updated = replace(manifest, last_used_at=self.clock())
-            if persist:
+            if persist and self.fence is None:
                 self.put(updated)
-            else:
+            else:  # fleet: a use is not worth a fenced write to a shared file (retention reads residency)
                 with self._lock:
                     self._manifests[key] = updated
 

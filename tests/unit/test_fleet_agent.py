@@ -52,6 +52,7 @@ async def start_host(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator
     started: list[Started] = []
 
     async def start(host: str, **overrides: Any) -> Started:
+        overrides.setdefault("shared_dir", str(tmp_path / "shared"))
         h = await start_harness(tmp_path / host, fleet=fleet(redis_server, host, **overrides))
         agent = FleetAgent(h.coordinator.config, h.coordinator)
         agent.start()
@@ -191,7 +192,7 @@ async def test_the_daemon_runs_the_agent_and_leaves_the_fleet_at_stop(
         {
             "state_dir": str(tmp_path / "state"),
             "servers": {"local": {"snapshot_dir": str(tmp_path / "snaps"), "probe_interval_s": 3600}},
-            "fleet": fleet(password_redis, "d1"),
+            "fleet": fleet(password_redis, "d1", shared_dir=str(tmp_path / "shared")),
         }
     )
     d = Daemon(

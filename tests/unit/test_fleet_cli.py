@@ -48,6 +48,11 @@ def test_fleet_is_off_by_default_and_defaults_are_the_documented_ones() -> None:
         ({"enabled": True, "heartbeat_s": 6}, "fleet.host_ttl_s: must be longer than fleet.heartbeat_s"),
         ({"enabled": True, "owner_lease_ttl_s": 1}, "fleet.owner_lease_ttl_s: must be longer than"),
         ({"advertise_url": "peer:8377"}, "fleet.advertise_url: must be an http(s) URL"),
+        ({"enabled": True, "host_id": "h1"}, "fleet.shared_dir: required when fleet.enabled"),
+        (
+            {"enabled": True, "host_id": "h1", "shared_dir": "~/.local/state/kvsidecar/state/meta"},
+            "fleet.shared_dir: must be apart from state_dir",
+        ),
     ],
 )
 def test_bad_fleet_settings_are_refused_by_key(fleet: dict[str, Any], expected: str) -> None:
@@ -58,11 +63,17 @@ def test_bad_fleet_settings_are_refused_by_key(fleet: dict[str, Any], expected: 
 
 def test_a_wildcard_listener_needs_an_advertised_url() -> None:
     wildcard = {"listen": "0.0.0.0:8377", "allow_public_bind": True, "token_file": "/etc/kvsidecar/token"}
-    found = problems({"enabled": True, "host_id": "h1"}, api=wildcard)
+    shared = "/srv/kv/meta"
+    found = problems({"enabled": True, "host_id": "h1", "shared_dir": shared}, api=wildcard)
     assert found == ["fleet.advertise_url: required when api.listen is the wildcard '0.0.0.0'"]
     ok = config_from_mapping(
         {
-            "fleet": {"enabled": True, "host_id": "h1", "advertise_url": "http://10.0.0.5:8377"},
+            "fleet": {
+                "enabled": True,
+                "host_id": "h1",
+                "advertise_url": "http://10.0.0.5:8377",
+                "shared_dir": shared,
+            },
             "api": wildcard,
         }
     )
@@ -77,6 +88,7 @@ def test_the_redis_url_is_not_in_the_config_repr() -> None:
 def write_config(tmp_path: Path, redis: RedisServer, *, enabled: bool = True) -> Path:
     path = tmp_path / "config.yaml"
     fleet = {"enabled": enabled, "redis_url": redis.url, "host_id": "cli", "key_prefix": "t"}
+    fleet["shared_dir"] = str(tmp_path / "shared")
     path.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"), "fleet": fleet}))
     return path
 

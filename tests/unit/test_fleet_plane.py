@@ -4,6 +4,7 @@ residency map, ownership leases with fencing tokens, leader election."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import pytest
@@ -20,6 +21,8 @@ K = "0123456789abcdef0123456789abcdef"  # a session key (our identity keys are 1
 @pytest.fixture
 async def client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
     c = connect(redis_server.url, timeout_s=2.0)
+    for host in ("a", "b"):  # live hosts (their records), as registered ones are: see the dead-holder test
+        await c.set(f"t:host:{host}", "{}")
     yield c
     await c.aclose()
 
@@ -166,3 +169,47 @@ def test_a_redis_url_is_shown_without_its_password() -> None:
     assert redacted("rediss://s3cret@h") == "rediss://***@h"
     assert redacted("redis://h:6379/2") == "redis://h:6379/2"
     assert redacted("unix:///run/redis.sock") == "unix:///run/redis.sock"
+
+
+async def test_a_dead_holder_loses_the_key_at_once_and_force_takes_it_from_a_live_one(
+    client: aioredis.Redis,
+) -> None:
+    leases = Leases(client, key_prefix="t")
+    held = await leases.take(K, "gone", 60)  # "gone" has no host record: its host stopped heartbeating
+    taken = await leases.take(K, "a", 60)
+    assert taken.granted and taken.new and taken.token > held.token  # without waiting the 60 s out
+    refused = await leases.take(K, "b", 60)  # a is live: b is refused ...
+    assert not refused.granted and refused.holder == "a"
+    forced = await leases.take(K, "b", 60, force=True)  # ... unless a cannot be reached
+    assert forced.granted and forced.token > taken.token
+    assert not await leases.is_current(K, "a", taken.token)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("advertise_url", "file:///etc/passwd"),
+        ("advertise_url", "gopher://evil:70/"),
+        ("advertise_url", 12),
+        ("advertise_url", "http://" + "x" * 600),
+        ("host_id", "a/../b"),
+        ("host_id", "a b"),
+        ("host_id", ""),
+    ],
+)
+def test_a_record_that_would_send_our_token_elsewhere_is_not_a_host(field: str, value: object) -> None:
+    """Routing forwards hook calls (with the fleet's token) to a record's advertise_url: a record with
+    anything but an http(s) URL and a valid host id is ignored, whoever wrote it into Redis."""
+    data = json.loads(record("a").to_json())
+    data[field] = value
+    assert HostRecord.from_json(json.dumps(data)) is None
+
+
+def test_a_bad_proxy_url_is_dropped_but_the_host_stays() -> None:
+    data = json.loads(record("a").to_json())
+    data["proxy_url"] = "ftp://x/"
+    parsed = HostRecord.from_json(json.dumps(data))
+    assert parsed is not None and parsed.proxy_url is None
+    data["proxy_url"] = "http://10.0.0.5:8378"
+    parsed = HostRecord.from_json(json.dumps(data))
+    assert parsed is not None and parsed.proxy_url == "http://10.0.0.5:8378"

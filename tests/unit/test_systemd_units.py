@@ -339,6 +339,22 @@ def test_every_servers_snapshot_dir_is_writable(tmp_path: Path, capsys: pytest.C
     assert_verifies(units)
 
 
+def test_fleet_mode_makes_the_shared_metadata_directory_writable_and_checks_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fleet = {"enabled": True, "host_id": "gpu-a", "shared_dir": "/srv/kv/meta"}
+    servers = {"local": {"snapshot_dir": "/srv/kv/slots", "base_url": "http://127.0.0.1:8080"}}
+    units = _install(tmp_path, _config(tmp_path, servers=servers, fleet=fleet))
+    kv, llama = ((units / u).read_text() for u in UNITS)
+    assert "ReadWritePaths=/srv/kv/slots /srv/kv/meta\n" in kv and "/srv/kv/meta" not in llama
+    assert "mkdir -p /srv/kv/meta;" in capsys.readouterr().out
+    assert_verifies(units)
+    bad = {**fleet, "shared_dir": "/srv/kv me/meta"}
+    (other := tmp_path / "bad").mkdir()
+    err = _refused(other, _config(other, servers=servers, fleet=bad), capsys)
+    assert "UNIT_SYNTAX: fleet.shared_dir '/srv/kv me/meta'" in err
+
+
 @pytest.mark.parametrize(
     ("socket", "writable"),
     [

@@ -1,0 +1,136 @@
+"""`FleetGate`: the right to write a session key's files, in fleet mode (see kvsidecar.coordinator.ownership).
+
+A claim takes (or renews) the key's ownership lease on Redis and then records the lease's fencing token in
+the shared store's fence file for the key (`FenceFiles.advance`). The value that file held before tells
+whether this host's copy of the key is current: it is when the recorded token is the one this host last
+held (nobody else owned the key in between); otherwise another host did, and the copy is stale.
+
+From then on the store checks every write and delete of the key against the token this host holds
+(`token_for`): a host paused past its lease, whose key was taken over meanwhile, finds a higher token
+recorded and writes nothing.
+
+Without Redis (down, or not answered yet) a host keeps writing only the keys whose recorded token is still
+its own; it takes no new key, so two hosts never both write one (a session then costs a cold prefill or a
+restore, never a wrong answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from redis.exceptions import RedisError
+
+from kvsidecar.coordinator.ownership import Claim
+from kvsidecar.errors import KvError
+from kvsidecar.logs import event
+from kvsidecar.store.fence import FenceFiles
+
+if TYPE_CHECKING:
+    from kvsidecar.fleet.agent import FleetAgent
+
+DOWN = (RedisError, OSError, asyncio.TimeoutError)  # as in kvsidecar.fleet.agent
+
+log = logging.getLogger("kvsidecar.fleet")
+
+
+class FleetGate:
+    def __init__(self, agent: FleetAgent, fence_for: FenceFactory) -> None:
+        self.agent = agent
+        self.tokens: dict[str, int] = {}  # key -> the token this host holds (its writes carry it)
+        self.fence = fence_for(self.token_for)
+        self.taken_over = 0  # claims that found another host had owned the key since (stale copies)
+
+    def token_for(self, key: str) -> int | None:
+        return self.tokens.get(key)
+
+    async def claim(self, key: str, *, force: bool = False, keep: bool = False) -> Claim:
+        agent = self.agent
+        if not agent.redis_up:
+            return await self._without_redis(key)
+        if keep and not await self._still_mine(key):
+            return Claim(write=False, stale=True)
+        try:
+            async with asyncio.timeout(agent.op_timeout_s * 2):
+                own = await agent.leases.take(
+                    key, agent.host_id, agent.settings.owner_lease_ttl_s, force=force
+                )
+        except DOWN as exc:  # Redis went away mid-call
+            agent.went_down(exc)
+            return await self._without_redis(key)
+        if not own.granted:
+            self.tokens.pop(key, None)
+            return Claim(write=False, stale=True, holder=own.holder)
+        try:
+            before = await asyncio.to_thread(self.fence.advance, key, own.token)
+        except KvError as exc:
+            event(log, logging.WARNING, "kv.fleet.fence_unusable", snapshot=key[:8], error=exc.code)
+            self.tokens.pop(key, None)
+            return Claim(write=False, stale=True)
+        if before > own.token:  # the store saw a newer token than Redis hands out (Redis lost its data
+            self.tokens.pop(key, None)  # and its clock went back): fail closed, write nothing
+            return Claim(write=False, stale=True)
+        # stale: another host recorded a token since this host's (nothing is newer than this host's copy
+        # when no host ever recorded one)
+        stale = before != 0 and before != self.tokens.get(key)
+        self.tokens[key] = own.token
+        if stale:
+            self.taken_over += before != 0
+        return Claim(write=True, stale=stale)
+
+    async def _still_mine(self, key: str) -> bool:
+        """This host holds a token for `key` and it is still the one recorded (nobody took the key since)."""
+        mine = self.tokens.get(key)
+        try:
+            if mine is not None and await asyncio.to_thread(self.fence.recorded, key) == mine:
+                return True
+        except KvError:
+            pass
+        self.tokens.pop(key, None)
+        return False
+
+    async def _without_redis(self, key: str) -> Claim:
+        mine = self.tokens.get(key)
+        try:
+            recorded = await asyncio.to_thread(self.fence.recorded, key)
+        except KvError:
+            return Claim(write=False, stale=True)
+        if mine is not None and mine == recorded:
+            return Claim(write=True)
+        self.tokens.pop(key, None)
+        return Claim(write=False, stale=True)
+
+
+if TYPE_CHECKING:
+    FenceFactory = Callable[[Callable[[str], int | None]], FenceFiles]
+
+
+class LeaderRetention:
+    """Retention in fleet mode (kvsidecar.retention.FleetRetention): the leader alone runs it, over the whole
+    shared directory, against the configured limits (the fleet-wide quota); every deletion is fenced."""
+
+    def __init__(self, agent: FleetAgent, gate: FleetGate, reload_all: Callable[[], object]) -> None:
+        self.agent = agent
+        self.gate = gate
+        self.reload_all = reload_all
+
+    async def prepare(self) -> set[str] | None:
+        agent = self.agent
+        if not agent.redis_up or not agent.is_leader:
+            return None
+        try:
+            async with asyncio.timeout(agent.op_timeout_s * 4):
+                live = await agent.plane.live_hosts()
+                held: set[str] = set()
+                for host_id in live:
+                    held |= set(await agent.plane.residency(host_id))
+        except DOWN as exc:
+            agent.went_down(exc)
+            return None
+        await asyncio.to_thread(self.reload_all)  # what every host committed, as it is on disk now
+        return held
+
+    async def claim(self, key: str) -> bool:
+        return (await self.agent.coordinator.ownership.claim(key)).write

@@ -1,0 +1,271 @@
+"""`FleetRouter`: which host serves a hook call, in fleet mode, and the forwarding of calls between hosts.
+
+Each kvsidecar stays the only writer of its own llama-server's slots: a call for a session that belongs
+elsewhere is forwarded, whole, to that host's hook API (`advertise_url`, the fleet's shared token, header
+`X-KV-Fleet-Hop`), and its answer is passed back unchanged. Where a session belongs:
+
+1. the live host that holds its ownership lease;
+2. else the live host where it is resident in a slot (no I/O at all there);
+3. else (acquire only) placement among the live hosts running the same runtime as this one (equal
+   fingerprint digests: never a host with another model): a free slot, this host first; then a clean slot
+   (its eviction costs no save); then this host. A session placed here is claimed before it is served, so
+   two hosts racing for one new session agree on one of them.
+
+A host that cannot be reached loses the session to this one at once (the ownership is taken over; fencing
+keeps the unreachable host's later writes out): its session is restored here from the shared directory.
+
+Lease ids name their host (`<host_id>~<id>`), so a release sent to any host reaches the one holding the
+lease. Session-scoped calls without a provider and model (events, save, invalidate, purge) go to every
+live host and their answers are summed: each host acts on what it holds of the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from starlette.responses import Response
+
+from kvsidecar.client_wire import segment
+from kvsidecar.coordinator.ownership import Claim
+from kvsidecar.errors import KvError, LeaseNotFound, NotFound
+from kvsidecar.fleet.gate import DOWN
+from kvsidecar.fleet.plane import HostRecord
+from kvsidecar.logs import event
+from kvsidecar.router import HOP_HEADER
+
+if TYPE_CHECKING:
+    from kvsidecar.coordinator.core import Coordinator
+    from kvsidecar.fleet.agent import FleetAgent
+    from kvsidecar.fleet.gate import FleetGate
+
+log = logging.getLogger("kvsidecar.fleet")
+
+LEASE_SEP = "~"  # never in a host id nor in a local lease id (urlsafe base64)
+# A host that refuses the connection, or drops it before answering (it died mid-call), or never answers:
+# the session is taken over here (fencing keeps whatever the other host still writes out).
+UNREACHABLE = (httpx.TransportError,)
+# Hops a call may take: 1, a host routed it (the receiver serves it unless another host claimed the session
+# meanwhile: then it follows the claim once more); 2, served where it lands.
+MAX_HOPS = 2
+
+
+class Forwarded(Response):
+    """Another host's answer, passed back as it came (status, JSON body, Retry-After)."""
+
+
+class FleetRouter:
+    def __init__(
+        self, agent: FleetAgent, gate: FleetGate, coordinator: Coordinator, token: str | None
+    ) -> None:
+        self.agent = agent
+        self.gate = gate
+        self.coordinator = coordinator
+        self.host_id = agent.host_id
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        timeout = httpx.Timeout(agent.settings.forward_timeout_s, connect=agent.op_timeout_s)
+        self.http = httpx.AsyncClient(headers=headers, timeout=timeout, trust_env=False)
+        self.placed: dict[str, tuple[float, int]] = {}  # host -> (heartbeat seen, placements since)
+        self.forwarded = 0
+        self.taken_over = 0  # sessions taken from a host that could not be reached
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    # where ---------------------------------------------------------------------------------------------
+    def _live(self) -> dict[str, HostRecord]:
+        return dict(self.agent.hosts) if self.agent.redis_up else {}
+
+    async def owner_of(self, key: str) -> str | None:
+        """The live host where `key` belongs now (its lease, then its residency; this host included), or
+        None when it belongs nowhere (or Redis cannot say: then it is served here)."""
+        live = self._live()
+        if not live:
+            return self.host_id
+        try:
+            async with asyncio.timeout(self.agent.op_timeout_s * 2):
+                held = await self.agent.leases.holder(key)
+                if held is not None and held.holder in live:
+                    return held.holder
+                found = await self.agent.plane.where(key, live)
+        except DOWN as exc:  # Redis trouble: serve here (a restore or a cold prefill, never wrong)
+            self.agent.went_down(exc)
+            return self.host_id
+        hosts = [r.host_id for r in found]
+        if self.host_id in hosts:
+            return self.host_id
+        return hosts[0] if hosts else None
+
+    def place(self, server: str) -> str | None:
+        """The host (other than this one) a new session of `server` should go to, or None for here."""
+        live = self._live()
+        mine = next((s for s in self.agent.record().servers if s.name == server), None)
+        if mine is None or mine.fingerprint is None:
+            return None
+        best: tuple[int, int, int, str] | None = None
+        for host_id, record in live.items():
+            srv = next((s for s in record.servers if s.name == server), None)
+            if host_id == self.host_id:
+                srv = mine  # this host's own slots, as they are now
+            if srv is None or srv.fingerprint != mine.fingerprint:
+                continue
+            free = srv.slots_free - self._recent(host_id, record.time)
+            tier = 0 if free > 0 else 1 if srv.slots_clean > 0 else 2
+            rank = (tier, 0 if host_id == self.host_id else 1, -free, host_id)
+            if best is None or rank < best:
+                best = rank
+        if best is None or best[3] == self.host_id or best[0] == 2:
+            return None
+        return best[3]
+
+    def _recent(self, host_id: str, seen: float) -> int:
+        """Sessions this host sent to `host_id` since that host's record was written (not in it yet)."""
+        at, count = self.placed.get(host_id, (0.0, 0))
+        return count if at == seen else 0
+
+    def _count_placement(self, host_id: str) -> None:
+        record = self._live().get(host_id)
+        if record is not None:
+            at, count = self.placed.get(host_id, (0.0, 0))
+            self.placed[host_id] = (record.time, count + 1 if at == record.time else 1)
+
+    # forwarding ----------------------------------------------------------------------------------------
+    async def forward(
+        self, host_id: str, method: str, path: str, body: dict[str, Any] | None, hop: int
+    ) -> Response:
+        record = self._live().get(host_id)
+        if record is None:
+            raise httpx.ConnectError(f"host {host_id} is not live")
+        self.forwarded += 1
+        answer = await self.http.request(
+            method, record.advertise_url.rstrip("/") + path, json=body, headers={HOP_HEADER: str(hop + 1)}
+        )
+        headers = {k: v for k, v in answer.headers.items() if k.lower() in ("retry-after", "content-type")}
+        return Forwarded(answer.content, status_code=answer.status_code, headers=headers)
+
+    async def acquire(
+        self,
+        key: str | None,
+        server: str | None,
+        path: str,
+        body: dict[str, Any],
+        hop: int,
+        serve: Callable[[], Awaitable[dict[str, Any]]],
+    ) -> dict[str, Any] | Response:
+        """An acquire (or a restore): forwarded to the host the session belongs to, or served here."""
+        if key is None or server is None or hop >= MAX_HOPS:  # a peer insisted: served where it lands
+            return self._named(await serve())
+        target = await self.decide(key, server, hop)
+        if target != self.host_id:
+            try:
+                return await self.forward(target, "POST", path, body, hop)
+            except UNREACHABLE as exc:
+                await self._take_over(key, target, exc)
+        return self._named(await serve())
+
+    async def decide(self, key: str, server: str, hop: int) -> str:
+        """The host that serves session key `key` of `server` now (this host's id: here). A session placed
+        here, or routed here by a peer, is claimed first; one claimed by another host meanwhile follows it."""
+        target = await self.owner_of(key) if hop == 0 else self.host_id
+        if target is None:  # nobody holds it: place it
+            target = self.place(server) or self.host_id
+            if target != self.host_id:
+                self._count_placement(target)
+        if target == self.host_id:
+            claim = await self.coordinator.ownership.claim(key)
+            if not claim.write and claim.holder is not None and claim.holder in self._live():
+                target = claim.holder  # another host claimed it first (a race): follow it
+        return target
+
+    async def proxy_target(self, key: str, server: str, hop: int) -> tuple[str, str] | None:
+        """The proxy mode's route: (host id, its proxy URL) of the host that serves the session, or None
+        for this host (also when that host runs no proxy, or a peer insisted)."""
+        if hop >= MAX_HOPS:
+            return None
+        target = await self.decide(key, server, hop)
+        record = self._live().get(target)
+        url = record.proxy_url if record is not None else None
+        return (target, url) if target != self.host_id and url is not None else None
+
+    async def proxy_unreachable(self, key: str, host_id: str, exc: BaseException) -> None:
+        """The proxy could not reach `host_id`: the session is taken over here."""
+        await self._take_over(key, host_id, exc)
+
+    async def _take_over(self, key: str, host_id: str, exc: BaseException) -> Claim:
+        self.taken_over += 1
+        event(
+            log,
+            logging.WARNING,
+            "kv.fleet.host_unreachable",
+            host=host_id,
+            snapshot=key[:8],
+            error=type(exc).__name__,
+        )
+        return await self.coordinator.ownership.claim(key, force=True)
+
+    def _named(self, answer: dict[str, Any]) -> dict[str, Any]:
+        if answer.get("lease_id"):
+            answer["lease_id"] = f"{self.host_id}{LEASE_SEP}{answer['lease_id']}"
+        if answer.get("outcome") != "bypass":
+            answer["host"] = self.host_id
+        return answer
+
+    async def release(
+        self, lease_id: str, body: dict[str, Any], hop: int, serve: Callable[[str], Awaitable[dict[str, Any]]]
+    ) -> dict[str, Any] | Response:
+        host_id, sep, local = lease_id.rpartition(LEASE_SEP)
+        if not sep or host_id == self.host_id:
+            return await serve(local)
+        if hop >= MAX_HOPS or host_id not in self._live():
+            raise LeaseNotFound("no such lease (its host is not live)")
+        try:
+            return await self.forward(host_id, "POST", f"/v1/leases/{segment(lease_id)}/release", body, hop)
+        except UNREACHABLE:
+            raise LeaseNotFound("no such lease (its host cannot be reached)") from None
+
+    async def everywhere(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        hop: int,
+        serve: Callable[[], Awaitable[dict[str, Any]]],
+        sum_keys: tuple[str, ...],
+    ) -> dict[str, Any]:
+        """A session-scoped call on every live host (this one directly); the numbers in `sum_keys` summed.
+        NotFound only when no host knows the session."""
+        if hop > 0:
+            return await serve()
+        peers = [h for h in self._live() if h != self.host_id]
+        results: list[dict[str, Any] | BaseException] = list(
+            await asyncio.gather(
+                serve(), *(self._peer(h, method, path, body) for h in peers), return_exceptions=True
+            )
+        )
+        answers = [r for r in results if isinstance(r, dict)]
+        if not answers:
+            first = results[0]
+            raise first if isinstance(first, KvError) else NotFound("no such session")
+        out = dict(answers[0])
+        for key in sum_keys:
+            out[key] = sum(int(a.get(key, 0)) for a in answers)
+        return out
+
+    async def _peer(
+        self, host_id: str, method: str, path: str, body: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        response = await self.forward(host_id, method, path, body, 0)
+        if response.status_code != 200:
+            raise NotFound(f"host {host_id}: {response.status_code}")
+        data = json.loads(bytes(response.body))
+        if not isinstance(data, dict):
+            raise NotFound(f"host {host_id}: not an object")
+        return data
+
+    def view(self) -> dict[str, Any]:
+        return {"forwarded": self.forwarded, "taken_over": self.taken_over, "at": time.time()}
