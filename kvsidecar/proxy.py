@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -105,11 +106,6 @@ class _Sent:
 
 def _no_fleet() -> FleetRouter | None:
     return None
-
-
-async def _peer_working(_slot: int | None) -> bool:
-    """Another host's proxy that is silent is working on the request (its own limits end it)."""
-    return True
 
 
 class Proxy:
@@ -361,8 +357,18 @@ class Proxy:
                 connect_timeout_s=server.connect_timeout_s,
                 read_timeout_s=self.cfg.upstream_timeout_s,
             )
-            forwarder = self._peers[url] = Forwarder(upstream, _peer_working, peer=True)
+            forwarder = self._peers[url] = Forwarder(upstream, partial(self._peer_working, url), peer=True)
         return forwarder
+
+    async def _peer_working(self, url: str, _slot: int | None) -> bool:
+        """Asked after `proxy.upstream_timeout_s` of silence from another host's proxy: it is working on
+        the request while that host is live (its own limits end a request); a host that dropped out of the
+        fleet (stopped, partitioned) is not, and the request ends as for any silent upstream (504)."""
+        router = self.fleet()
+        if router is None:
+            return False
+        host_id = router.host_of_proxy(url)
+        return host_id is not None and router.is_live(host_id)
 
     def _outbound(
         self, scope: Scope, path: str, body: bytes, *, authenticated: bool, pinned: bool

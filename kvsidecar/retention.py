@@ -277,7 +277,9 @@ class RetentionJob:
         return files, disks
 
     def needs_run(self) -> bool:
-        """Cheap check after a save: is any limit exceeded right now?"""
+        """Cheap check after a save: is any limit exceeded right now? (Fleet: only the leader looks.)"""
+        if self.fleet is not None and not self.fleet.leads():
+            return False
         files, disks = self.inventory()
         return bool(_over(_State(files, disks), self.policy, disks, target=False))
 
@@ -295,33 +297,7 @@ class RetentionJob:
             deleting = not dry_run and self.config.delete
             done: list[dict[str, Any]] = []
             for d in the_plan.deletions:
-                entry = _describe(d)
-                key = d.file.key or _orphan_key(d.file)
-                if deleting and d.file.key is not None and d.file.key in self.protected_keys():
-                    entry["deleted"], entry["skipped"] = False, "became active"
-                elif (
-                    deleting
-                    and self.fleet is not None
-                    and key is not None
-                    and not await self.fleet.claim(key)
-                ):
-                    entry["deleted"], entry["skipped"] = False, "owned by another host"
-                elif deleting:
-                    entry["deleted"] = await asyncio.to_thread(self._delete, d)
-                    if entry["deleted"]:
-                        self.metrics.gc_deleted.labels(d.reason).inc()
-                        self.metrics.gc_deleted_bytes.labels(d.reason).inc(d.file.bytes)
-                        event(
-                            log,
-                            logging.INFO,
-                            "kv.gc.deleted",
-                            file=d.file.name[:12],
-                            server=d.file.server,
-                            session=entry.get("snapshot"),
-                            bytes=d.file.bytes,
-                            reason=d.reason,
-                        )
-                done.append(entry)
+                done.append(await self._apply(d, deleting, fleet_protected or set()))
             report = {
                 "dry_run": not deleting,
                 "deletion_enabled": self.config.delete,
@@ -347,6 +323,42 @@ class RetentionJob:
                 )
             self.last_report = report
             return report
+
+    async def _apply(self, d: Deletion, deleting: bool, fleet_protected: set[str]) -> dict[str, Any]:
+        """One planned deletion: re-checked (and, in fleet mode, claimed: its fencing token) first."""
+        entry = _describe(d)
+        key = d.file.key or _orphan_key(d.file)
+        if not deleting:
+            return entry
+        if d.file.key is not None and d.file.key in self.protected_keys():
+            entry["deleted"], entry["skipped"] = False, "became active"
+            return entry
+        if self.fleet is not None and key is not None:
+            if key in fleet_protected:  # an orphan of a session another host holds
+                entry["deleted"], entry["skipped"] = False, "held by another host"
+                return entry
+            if not await self.fleet.claim(key):
+                entry["deleted"], entry["skipped"] = False, "owned by another host"
+                return entry
+        try:
+            entry["deleted"] = await asyncio.to_thread(self._delete, d)
+        finally:
+            if self.fleet is not None and key is not None:
+                await self.fleet.done(key)  # let go of the session: its next acquire is placed as usual
+        if entry["deleted"]:
+            self.metrics.gc_deleted.labels(d.reason).inc()
+            self.metrics.gc_deleted_bytes.labels(d.reason).inc(d.file.bytes)
+            event(
+                log,
+                logging.INFO,
+                "kv.gc.deleted",
+                file=d.file.name[:12],
+                server=d.file.server,
+                session=entry.get("snapshot"),
+                bytes=d.file.bytes,
+                reason=d.reason,
+            )
+        return entry
 
     def _not_leader(self, dry_run: bool) -> dict[str, Any]:
         """Fleet mode on a host that does not lead: the shared directory is the leader's to clean."""
@@ -406,6 +418,14 @@ class FleetRetention(Protocol):
     async def claim(self, key: str) -> bool:
         """Take the key's ownership (and its fencing token) before deleting its files; False: another
         host owns it (skip it)."""
+        ...
+
+    async def done(self, key: str) -> None:
+        """After deleting (or trying to): give the key's ownership back."""
+        ...
+
+    def leads(self) -> bool:
+        """Whether this host leads now (no Redis call: as of its last heartbeat)."""
         ...
 
 

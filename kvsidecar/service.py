@@ -119,6 +119,23 @@ class Daemon:
         self.setup_warnings: list[SetupWarning] = []  # found at start (a snapshot_dir llama-server ignores)
         self.fleet: FleetAgent | None = None  # fleet mode (docs/FLEET.md), when fleet.enabled
         self.fleet_router: FleetRouter | None = None  # routes hook calls between hosts (fleet mode)
+        if config.fleet.enabled:
+            self._fleet_mode()
+
+    def _fleet_mode(self) -> None:
+        """Fleet mode, set up before anything can write (the proxy may take requests while `start` runs):
+        every write of a key's files is fenced, and only keys this host provably owns are written. Redis
+        is reached only once the agent starts. Imported only here: single-host mode never loads redis."""
+        from kvsidecar.fleet.agent import FleetAgent
+        from kvsidecar.fleet.gate import FleetGate, LeaderRetention
+        from kvsidecar.fleet.routing import FleetRouter
+
+        self.fleet = FleetAgent(self.config, self.coordinator)
+        gate = FleetGate(self.fleet, self.store.fence_with)
+        self.coordinator.ownership.gate = gate
+        self.fleet.gate = gate
+        self.retention.fleet = LeaderRetention(self.fleet, gate, self.store.reload_all)
+        self.fleet_router = FleetRouter(self.fleet, gate, self.coordinator, self.token)
 
     async def start(self) -> None:
         if self.state_lock is None:
@@ -149,18 +166,7 @@ class Daemon:
         )
         self.setup_warnings = await asyncio.to_thread(self._check_save_paths)  # before the canary's save
         await self.coordinator.start()
-        if self.config.fleet.enabled:  # imported only here: single-host mode never loads redis
-            from kvsidecar.fleet.agent import FleetAgent
-            from kvsidecar.fleet.gate import FleetGate, LeaderRetention
-            from kvsidecar.fleet.routing import FleetRouter
-
-            self.fleet = FleetAgent(self.config, self.coordinator)
-            # from here on every write of a key's files is fenced, and only this host's keys are written
-            gate = FleetGate(self.fleet, self.store.fence_with)
-            self.coordinator.ownership.gate = gate
-            self.fleet.gate = gate
-            self.retention.fleet = LeaderRetention(self.fleet, gate, self.store.reload_all)
-            self.fleet_router = FleetRouter(self.fleet, gate, self.coordinator, self.token)
+        if self.fleet is not None:
             self.fleet.start()  # returns at once: a Redis that is down is retried by its heartbeat
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not on the main thread (tests)
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)

@@ -18,6 +18,7 @@ import os
 import re
 import secrets
 import stat
+import time
 from pathlib import Path
 
 from kvsidecar.backend.base import KvBackend
@@ -81,12 +82,16 @@ def remove_canary_file(path: Path) -> None:
             path.unlink()
 
 
-def sweep_canary_files(snapshot_dir: Path) -> int:
-    """Remove canary files a crash left behind; returns how many."""
+def sweep_canary_files(snapshot_dir: Path, *, min_age_s: float = 0.0) -> int:
+    """Remove canary files a crash left behind; returns how many. In a directory shared by several hosts
+    (fleet mode), only those older than `min_age_s`: another host may be measuring its canary right now."""
     removed = 0
+    cutoff = time.time() - min_age_s
     with contextlib.suppress(OSError):
         for entry in os.scandir(snapshot_dir):
             if CANARY_FILE.match(entry.name):
+                if min_age_s > 0 and entry.stat(follow_symlinks=False).st_mtime >= cutoff:
+                    continue
                 remove_canary_file(Path(entry.path))
                 removed += 1
     return removed

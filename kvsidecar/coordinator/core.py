@@ -49,6 +49,7 @@ from kvsidecar.coordinator.state import AcquireResult, Lease, Outcome, SessionRu
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import KvError, LeaseNotFound, NotFound
 from kvsidecar.metrics import Metrics
+from kvsidecar.store.atomic import SHARED_TEMP_AGE_S
 from kvsidecar.store.fingerprint import FileDigestCache, ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity, validate_label, validate_session_id
 from kvsidecar.store.snapshots import SnapshotStore
@@ -149,7 +150,8 @@ class Coordinator:
         self._started = True
         self.checkpoints.active = True
         for srv in self.servers.values():
-            await asyncio.to_thread(sweep_canary_files, srv.config.snapshot_dir)
+            shared = SHARED_TEMP_AGE_S if self.config.fleet.enabled else 0.0  # another host's may be fresh
+            await asyncio.to_thread(sweep_canary_files, srv.config.snapshot_dir, min_age_s=shared)
             await self.guard.refresh(srv)
             self.spawn(self._probe_loop(srv))
 
@@ -406,6 +408,10 @@ class Coordinator:
     async def invalidate(self, session_id: str) -> dict[str, Any]:
         marked = 0
         for rt in self.sessions.known(session_id):
+            if not (
+                await self.ownership.claim(rt.key)
+            ).write:  # fleet: its owner marks it (never in memory only)
+                continue
             m = self.store.get(rt.key)
             for gen, _ in m.ordered_generations() if m else []:
                 await asyncio.to_thread(self.store.mark_invalid, rt.key, gen, INVALIDATED)

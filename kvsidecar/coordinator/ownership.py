@@ -68,6 +68,11 @@ class KeyOwnership:
             await self.forget(key)
         return claim
 
+    def held_here(self, key: str) -> bool:
+        """`key` is in one of this host's slots, or one of its sessions is working on it now."""
+        in_slot = any(s.owner == key for srv in self.servers.values() for s in srv.slots.values())
+        return in_slot or key in self.sessions.busy
+
     async def forget(self, key: str) -> None:
         """Another host owned `key` since: what this host holds of it is not the session's state any more."""
         dropped = []

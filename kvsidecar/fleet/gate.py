@@ -42,11 +42,18 @@ class FleetGate:
         self.tokens: dict[str, int] = {}  # key -> the token this host holds (its writes carry it)
         self.fence = fence_for(self.token_for)
         self.taken_over = 0  # claims that found another host had owned the key since (stale copies)
+        self._claiming: dict[str, asyncio.Lock] = {}
 
     def token_for(self, key: str) -> int | None:
         return self.tokens.get(key)
 
     async def claim(self, key: str, *, force: bool = False, keep: bool = False) -> Claim:
+        """One claim of `key` at a time on this host (a save's and an acquire's must not interleave: one
+        could erase the token the other just took, or miss that the copy is stale)."""
+        async with self._claiming.setdefault(key, asyncio.Lock()):  # one small lock per key ever claimed
+            return await self._claim(key, force=force, keep=keep)
+
+    async def _claim(self, key: str, *, force: bool, keep: bool) -> Claim:
         agent = self.agent
         if not agent.redis_up:
             return await self._without_redis(key)
@@ -79,6 +86,17 @@ class FleetGate:
         if stale:
             self.taken_over += before != 0
         return Claim(write=True, stale=stale)
+
+    async def let_go(self, key: str) -> None:
+        """Give a key's ownership back (the leader, after retention deleted it); best effort."""
+        token = self.tokens.pop(key, None)
+        if token is None or not self.agent.redis_up:
+            return
+        try:
+            async with asyncio.timeout(self.agent.op_timeout_s * 2):
+                await self.agent.leases.release(key, self.agent.host_id, token)
+        except DOWN as exc:
+            self.agent.went_down(exc)
 
     async def _still_mine(self, key: str) -> bool:
         """This host holds a token for `key` and it is still the one recorded (nobody took the key since)."""
@@ -133,4 +151,12 @@ class LeaderRetention:
         return held
 
     async def claim(self, key: str) -> bool:
+        if self.agent.coordinator.ownership.held_here(key):
+            return False  # resident or busy on this host (the leader serves sessions too)
         return (await self.agent.coordinator.ownership.claim(key)).write
+
+    async def done(self, key: str) -> None:
+        await self.gate.let_go(key)
+
+    def leads(self) -> bool:
+        return self.agent.redis_up and self.agent.is_leader

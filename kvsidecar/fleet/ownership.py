@@ -39,8 +39,9 @@ import redis.asyncio as aioredis
 # Returns {granted (0/1), token, holder, new (0/1)}.
 _TAKE = """
 local cur = redis.call('GET', KEYS[1])
-if cur then
-  local sep = string.find(cur, '|', 1, true)
+local sep = cur and string.find(cur, '|', 1, true)
+-- a value that is not "<host>|<digits>" holds nothing: it is taken over (fencing covers whoever wrote it)
+if sep and string.match(string.sub(cur, sep + 1), '^%d+$') then
   local holder = string.sub(cur, 1, sep - 1)
   local token = string.sub(cur, sep + 1)
   if holder == ARGV[1] then
@@ -126,10 +127,13 @@ class Leases:
         return bool(value == f"{host_id}|{token}")
 
     async def holder(self, key: str) -> Ownership | None:
+        """The current holder, or None (also for a value that is not one of ours: it holds nothing)."""
         value = await self.redis.get(self._keys(key)[0])
         if value is None:
             return None
-        holder, _, token = str(value).partition("|")
+        holder, sep, token = str(value).rpartition("|")
+        if not sep or not holder or not token.isdigit() or len(token) > 20:
+            return None
         return Ownership(granted=False, token=int(token), holder=holder, new=False)
 
     async def release(self, key: str, host_id: str, token: int) -> bool:

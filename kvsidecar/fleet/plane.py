@@ -82,7 +82,7 @@ class HostRecord:
             data = json.loads(text)
             if not isinstance(data, dict) or data.get("v") != RECORD_VERSION:
                 return None
-            servers = tuple(ServerRecord(**s) for s in data["servers"])
+            servers = tuple(_server(s) for s in data["servers"])
             proxy_url = data.get("proxy_url")
             # What this host will send its token to: a host id of ours, and http(s) URLs only.
             if not HOST_ID.match(str(data["host_id"])) or not _url(data["advertise_url"]):
@@ -97,6 +97,28 @@ class HostRecord:
             )
         except (ValueError, TypeError, KeyError):
             return None
+
+
+def _server(data: Any) -> ServerRecord:
+    """One server of a host record, every field of its type (a bad one refuses the whole record)."""
+    if not isinstance(data, dict):
+        raise TypeError("not an object")
+    counts = [data["slots_total"], data["slots_free"], data["slots_clean"]]
+    if not all(type(c) is int and 0 <= c < 1 << 20 for c in counts):
+        raise TypeError("slot counts must be small integers")
+    name, base_url, fingerprint = data["name"], data["base_url"], data["fingerprint"]
+    if not isinstance(name, str) or not isinstance(base_url, str):
+        raise TypeError("name and base_url must be strings")
+    if fingerprint is not None and not isinstance(fingerprint, str):
+        raise TypeError("fingerprint must be a string")
+    return ServerRecord(
+        name=name,
+        base_url=base_url,
+        fingerprint=fingerprint,
+        slots_total=counts[0],
+        slots_free=counts[1],
+        slots_clean=counts[2],
+    )
 
 
 def _url(value: object) -> bool:

@@ -142,11 +142,35 @@ class FleetRouter:
         if record is None:
             raise httpx.ConnectError(f"host {host_id} is not live")
         self.forwarded += 1
-        answer = await self.http.request(
+        request = self.http.request(
             method, record.advertise_url.rstrip("/") + path, json=body, headers={HOP_HEADER: str(hop + 1)}
         )
+        answer = await self._while_live(host_id, request)
         headers = {k: v for k, v in answer.headers.items() if k.lower() in ("retry-after", "content-type")}
         return Forwarded(answer.content, status_code=answer.status_code, headers=headers)
+
+    async def _while_live(self, host_id: str, request: Awaitable[httpx.Response]) -> httpx.Response:
+        """The peer's answer, unless the peer drops out of the live hosts first (stopped, partitioned: its
+        kernel may still accept connections): then ConnectError, and the caller takes the session over."""
+        task = asyncio.ensure_future(request)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.agent.settings.heartbeat_s)
+                if done:
+                    return task.result()
+                if not self.is_live(host_id):
+                    raise httpx.ConnectError(f"host {host_id} stopped answering and is no longer live")
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    def is_live(self, host_id: str) -> bool:
+        """`host_id` is live as of this host's last heartbeat (while Redis answers; else assumed so)."""
+        return host_id in self._live() if self.agent.redis_up else True
+
+    def host_of_proxy(self, url: str) -> str | None:
+        return next((h for h, r in self._live().items() if r.proxy_url == url), None)
 
     async def acquire(
         self,
@@ -253,7 +277,7 @@ class FleetRouter:
             raise first if isinstance(first, KvError) else NotFound("no such session")
         out = dict(answers[0])
         for key in sum_keys:
-            out[key] = sum(int(a.get(key, 0)) for a in answers)
+            out[key] = sum(_count(a.get(key)) for a in answers)
         return out
 
     async def _peer(
@@ -269,3 +293,8 @@ class FleetRouter:
 
     def view(self) -> dict[str, Any]:
         return {"forwarded": self.forwarded, "taken_over": self.taken_over, "at": time.time()}
+
+
+def _count(value: object) -> int:
+    """A count in a peer's answer (anything else counts as 0: a peer's answer is input like any other)."""
+    return value if type(value) is int and 0 <= value < 1 << 62 else 0

@@ -10,18 +10,26 @@ file, after comparing the writer's token with the recorded one:
 - a higher one is recorded first (a new owner announces itself before reading the manifest);
 - no token at all is refused (a host that never owned the key writes nothing of it).
 
-The lock is a POSIX record lock (`fcntl.lockf`): NFSv4 and CephFS carry it between hosts. The file holds a
-decimal integer and nothing else; anything else in it is treated as the highest possible token (fail closed:
-nobody writes that key until an operator looks). Names are the store's own 128-bit hex keys, never a client's
-string, and files are opened without following links.
+The lock is a POSIX record lock (`fcntl.lockf`): NFSv4 and CephFS carry it between hosts. POSIX locks belong
+to the process, and closing any descriptor of the file drops them, so within this process one lock per key
+serializes every use of a fence file first. Neither lock is waited for without end: a host stopped while it
+held one (SIGSTOP) costs the others at most `LOCK_WAIT_S`, then the write is refused (fail closed). The file
+holds a decimal integer and nothing else; anything else in it is treated as the highest possible token
+(nobody writes that key until an operator looks). Names are the store's own 128-bit hex keys, never a
+client's string; files are opened without following links, and only a regular file is used. Fence files
+are never deleted: a missing one reads as 0, so **never clean `fences/` by hand** while any host runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
+import stat
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -33,6 +41,8 @@ log = logging.getLogger("kvsidecar.store")
 
 UNREADABLE = 2**63 - 1  # a fence file we cannot parse: higher than any token (nobody writes the key)
 _MAX_BYTES = 32
+LOCK_WAIT_S = 2.0  # longest wait for a fence's lock (a host stopped while holding it must not stall us)
+_POLL_S = 0.01
 
 
 class FenceFiles:
@@ -43,19 +53,29 @@ class FenceFiles:
         self.directory = directory
         self.token_for = token_for
         self.refused = 0  # writes refused so far (kvsidecar_fleet_fenced_total)
+        self.lock_wait_s = LOCK_WAIT_S
+        self._locks: dict[str, threading.Lock] = {}  # key -> this process's lock of its fence file
+        self._locks_guard = threading.Lock()
 
     def _open(self, key: str) -> int:
         if not KEY.match(key):
             raise Fenced(f"not a session key: {key[:40]!r}")
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
         try:
-            return os.open(self.directory / key, flags, 0o600)
+            fd = os.open(self.directory / key, flags, 0o600)
         except OSError as exc:
             raise MetadataIO(f"cannot open the fence of {key[:8]}: {exc.strerror}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device planted at the name
+            os.close(fd)
+            raise MetadataIO(f"the fence of {key[:8]} is not a regular file")
+        return fd
 
     @staticmethod
     def _read(fd: int) -> int:
-        raw = os.pread(fd, _MAX_BYTES + 1, 0).strip()
+        try:
+            raw = os.pread(fd, _MAX_BYTES + 1, 0).strip()
+        except OSError:
+            return UNREADABLE
         if not raw:
             return 0
         if len(raw) > _MAX_BYTES or not raw.isdigit():
@@ -69,17 +89,44 @@ class FenceFiles:
         os.ftruncate(fd, len(data))
         os.fsync(fd)
 
+    def _local_lock(self, key: str) -> threading.Lock:
+        with self._locks_guard:
+            lock = self._locks.get(key)
+            if lock is None:
+                lock = self._locks[key] = threading.Lock()
+            return lock
+
     @contextlib.contextmanager
     def _locked(self, key: str) -> Iterator[int]:
-        fd = self._open(key)
+        deadline = time.monotonic() + self.lock_wait_s
+        local = self._local_lock(key)
+        if not local.acquire(timeout=self.lock_wait_s):
+            raise MetadataIO(f"the fence of {key[:8]} is held too long in this process")
         try:
-            fcntl.lockf(fd, fcntl.LOCK_EX)
+            fd = self._open(key)
             try:
-                yield fd
+                self._lock_file(fd, key, deadline)
+                try:
+                    yield fd
+                finally:
+                    fcntl.lockf(fd, fcntl.LOCK_UN)
             finally:
-                fcntl.lockf(fd, fcntl.LOCK_UN)
+                os.close(fd)
         finally:
-            os.close(fd)
+            local.release()
+
+    @staticmethod
+    def _lock_file(fd: int, key: str, deadline: float) -> None:
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise MetadataIO(f"cannot lock the fence of {key[:8]}: {exc.strerror}") from None
+            if time.monotonic() >= deadline:  # another host holds it (stopped?): refuse, never hang
+                raise MetadataIO(f"the fence of {key[:8]} stayed locked by another host")
+            time.sleep(_POLL_S)
 
     def recorded(self, key: str) -> int:
         """The highest token recorded for the key (0: none yet)."""

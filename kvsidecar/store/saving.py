@@ -183,7 +183,7 @@ class SavePlanner:
                 reason=UNSAFE,
                 detail=exc.message,
             )
-            with contextlib.suppress(KvError, OSError):
+            with contextlib.suppress(KvError, OSError), self.table.fenced(plan.identity.key, "discard"):
                 self.layout.snap[plan.identity.server].unlink(plan.filename)
             raise
         finally:
