@@ -56,6 +56,7 @@ class FenceFiles:
         self.lock_wait_s = LOCK_WAIT_S
         self._locks: dict[str, threading.Lock] = {}  # key -> this process's lock of its fence file
         self._locks_guard = threading.Lock()
+        self._held = threading.local()  # keys this thread guards now (a guard inside a guard: no re-lock)
 
     def _open(self, key: str) -> int:
         if not KEY.match(key):
@@ -147,6 +148,10 @@ class FenceFiles:
         """Hold around one write or delete of the key's files: refused (Fenced) unless this host's token is
         the highest recorded. The lock is held until the write is done, so a new owner's `advance` comes
         strictly before or after it."""
+        held: set[str] = self._held.__dict__.setdefault("keys", set())
+        if key in held:  # this thread guards this key already (a commit's rename, then its manifest write)
+            yield
+            return
         token = self.token_for(key)
         with self._locked(key) as fd:
             recorded = self._read(fd)
@@ -165,4 +170,8 @@ class FenceFiles:
                 raise Fenced(f"{what} of {key[:8]} refused: fencing token {token} < recorded {recorded}")
             if token > recorded:
                 self._write(fd, token)
-            yield
+            held.add(key)
+            try:
+                yield
+            finally:
+                held.discard(key)

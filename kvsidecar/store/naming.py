@@ -8,6 +8,7 @@ ever reaches a filesystem path; session ids are also validated here, at the edge
 from __future__ import annotations
 
 import re
+import secrets
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,7 +27,9 @@ _NAME_VERSION = "kvsidecar-v1"
 # Every name read back from disk (a manifest field, a directory listing, a watcher event) must match one
 # of these patterns before it is used at all. `\A...\Z` and re.ASCII: no trailing newline, no Unicode
 # digits or look-alikes, no separators, no dot-only names, bounded length.
-SNAPSHOT_FILE = re.compile(r"\A(?P<key>[0-9a-f]{32})\.(?P<gen>[ab])\.bin\Z", re.ASCII)
+# A generation's file, `<key>.<gen>.bin`; in fleet mode a save is first written under a staging name of the
+# same generation, `<key>.<gen>.<8 hex>.bin`, and renamed to the generation's name at its commit.
+SNAPSHOT_FILE = re.compile(r"\A(?P<key>[0-9a-f]{32})\.(?P<gen>[ab])(?:\.[0-9a-f]{8})?\.bin\Z", re.ASCII)
 MANIFEST_FILE = re.compile(r"\A(?P<key>[0-9a-f]{32})\.json\Z", re.ASCII)
 FINGERPRINT_FILE = re.compile(r"\A(?P<digest>[0-9a-f]{16,128})\.json\Z", re.ASCII)
 KEY = re.compile(r"\A[0-9a-f]{32}\Z", re.ASCII)
@@ -79,6 +82,12 @@ def snapshot_filename(key: str, generation: Generation) -> str:
     if not KEY.match(key) or generation not in GENERATIONS:
         raise ValueError("not a snapshot key/generation")
     return f"{key}.{generation}.bin"
+
+
+def staging_filename(key: str, generation: Generation) -> str:
+    """A fresh name a save is written under before its commit renames it (fleet mode): unique, so a stale
+    host's llama-server can never write over the file another host committed under the generation's name."""
+    return f"{snapshot_filename(key, generation)[:-4]}.{secrets.token_hex(4)}.bin"
 
 
 def parse_snapshot_name(name: str) -> tuple[str, Generation] | None:

@@ -157,6 +157,8 @@ class Reconciler:
         rec = manifest.generation(gen) if manifest else None
         if manifest is None or rec is None or not rec.valid or manifest.server != server:
             return None
+        if rec.filename != filename:  # a staging name of the generation (fleet): not the recorded file
+            return None
         d = self.layout.snap[server]
         try:
             reason = entry_reason(d.lstat(filename), rec, d.expected_uids())

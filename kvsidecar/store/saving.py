@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from kvsidecar.store.fingerprint_records import FingerprintRecords
 from kvsidecar.store.integrity import Header, checksum_from_fd, header_from_fd
 from kvsidecar.store.layout import StoreLayout
 from kvsidecar.store.manifest import GenerationRecord, Manifest
-from kvsidecar.store.naming import Generation, SnapshotIdentity, other_generation
+from kvsidecar.store.naming import Generation, SnapshotIdentity, other_generation, staging_filename
 from kvsidecar.store.table import ManifestTable
 
 log = logging.getLogger("kvsidecar.store")
@@ -36,9 +37,15 @@ log = logging.getLogger("kvsidecar.store")
 class SavePlan:
     identity: SnapshotIdentity
     generation: Generation
-    filename: str
+    filename: str  # what llama-server writes
     path: Path
     kept: Generation | None = None  # the newest generation that verified: never the target
+    # the generation's own name; in fleet mode `filename` is a staging name renamed to it at the commit
+    final: str = ""
+
+    @property
+    def staged(self) -> bool:
+        return bool(self.final) and self.final != self.filename
 
 
 class SavePlanner:
@@ -62,7 +69,9 @@ class SavePlanner:
         with self.table.updating():
             manifest = self.table.get(identity.key)  # _newest_verifying may have marked generations invalid
             gen = other_generation(kept if kept is not None else manifest.current if manifest else None)
-            filename = identity.filename(gen)
+            final = identity.filename(gen)
+            # fleet: written under a fresh name, renamed at the commit under the fence (see staging_filename)
+            filename = staging_filename(identity.key, gen) if self.layout.shared else final
             if manifest is not None and gen in manifest.generations:
                 # The server is about to overwrite this file: the manifest must not vouch for it meanwhile.
                 # The kept generation's record stays until the new one is committed.
@@ -82,6 +91,7 @@ class SavePlanner:
             filename=filename,
             path=self.layout.path_for(identity.server, filename),
             kept=kept,
+            final=final,
         )
 
     def _newest_verifying(self, manifest: Manifest, runtime: str | None) -> Generation | None:
@@ -137,10 +147,16 @@ class SavePlanner:
         """The save is over. `discard`: it failed, so whatever the server left in the file is garbage
         (a partial write after ENOSPC, say): delete it now rather than let it hold the disk. It is never
         the kept generation (begin_save did not pick it)."""
-        if discard:  # fleet: under the key's fence (a new owner may have written that name since)
-            with contextlib.suppress(KvError, OSError), self.table.fenced(plan.identity.key, "discard"):
-                self.layout.snap[plan.identity.server].unlink(plan.filename)
+        if discard:
+            self._discard(plan)
         self.table.writing_ended(plan.identity.server, plan.filename)
+
+    def _discard(self, plan: SavePlan) -> None:
+        """Delete what the failed save left: its own staging name needs no fence (nobody else writes it);
+        a generation's name does (a new owner may have committed that name since)."""
+        fence = contextlib.nullcontext() if plan.staged else self.table.fenced(plan.identity.key, "discard")
+        with contextlib.suppress(KvError, OSError), fence:
+            self.layout.snap[plan.identity.server].unlink(plan.filename)
 
     def commit_save(
         self,
@@ -159,7 +175,7 @@ class SavePlanner:
             header, size, digest = self._check_written(plan, checksum=checksum)
             now = self.table.clock()
             record = GenerationRecord(
-                filename=plan.filename,
+                filename=plan.final or plan.filename,
                 tokens=result.tokens,
                 header_tokens=header.tokens,
                 bytes=size,
@@ -170,7 +186,9 @@ class SavePlanner:
                 revision=revision,
             )
             self.records.register(fingerprint)
-            with self.table.updating():
+            with self.table.updating(), self.table.fenced(plan.identity.key, "commit"):
+                if plan.staged:  # the name the manifest will reference appears only under the fence
+                    self._publish(plan)
                 manifest = self.table.put(self._committed(plan, record, now, session_seq))
             self.table.saw_runtime(plan.identity.server, fingerprint.digest, format_version=header.version)
             return manifest
@@ -183,8 +201,7 @@ class SavePlanner:
                 reason=UNSAFE,
                 detail=exc.message,
             )
-            with contextlib.suppress(KvError, OSError), self.table.fenced(plan.identity.key, "discard"):
-                self.layout.snap[plan.identity.server].unlink(plan.filename)
+            self._discard(plan)
             raise
         finally:
             self.abort_save(plan)
@@ -204,8 +221,21 @@ class SavePlanner:
             if file_id(after) != file_id(before):
                 raise SnapshotCorrupt(f"{plan.filename}: changed while being checked")
             if digest is not None and self.verified is not None:  # the next restore need not hash it
-                self.verified.remember(plan.identity.server, plan.filename, after, digest)
+                self.verified.remember(plan.identity.server, plan.final or plan.filename, after, digest)
         return header, st.st_size, digest
+
+    def _publish(self, plan: SavePlan) -> None:
+        """Rename the checked staging file to the generation's name (atomic in one directory), and make sure
+        the name now holds that very file (nothing swapped in between the check and the rename)."""
+        d = self.layout.snap[plan.identity.server]
+        d.check(plan.filename)
+        d.check(plan.final)
+        with d.fd() as dfd:
+            before = os.stat(plan.filename, dir_fd=dfd, follow_symlinks=False)
+            os.rename(plan.filename, plan.final, src_dir_fd=dfd, dst_dir_fd=dfd)
+            after = os.stat(plan.final, dir_fd=dfd, follow_symlinks=False)
+        if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISREG(after.st_mode):
+            raise SnapshotCorrupt(f"{plan.final}: not the file that was checked")
 
     def _committed(
         self, plan: SavePlan, record: GenerationRecord, now: float, session_seq: int | None

@@ -283,3 +283,31 @@ async def test_only_the_leader_runs_retention_and_it_skips_what_another_host_own
     assert by_key[a]["deleted"] is False and by_key[a]["skipped"] == "owned by another host"
     assert by_key[b]["deleted"] is True
     assert manifest_bytes(tmp_path, key_of("A")) is not None and manifest_bytes(tmp_path, key_of("B")) is None
+
+
+async def test_a_stale_hosts_save_never_writes_over_the_new_owners_file(
+    tmp_path: Path, start_host: Callable[..., Awaitable[Host]]
+) -> None:
+    """A save llama-server finishes after its kvsidecar lost the session goes to a staging name of its own:
+    the new owner's committed file (same generation name) keeps its bytes, and nothing is left behind."""
+    h1, h2 = await start_host("h1"), await start_host("h2")
+    k = key_of("A")
+    await h1.h.turn("A")
+    hold = h1.h.fake.hold("save")
+    saving = asyncio.create_task(h1.coordinator.save("A"))
+    await hold.entered.wait()  # h1 asked its llama-server for the save, then stopped (paused, partitioned)
+    await h2.coordinator.ownership.claim(k, force=True)
+    await h2.h.turn("A")
+    assert (await h2.coordinator.save("A"))["saved"] == 1
+    snaps = tmp_path / "shared" / "snaps"
+    committed = h2.store.get(k)
+    assert committed is not None and committed.current is not None
+    final = snaps / committed.generations[committed.current].filename
+    before = final.read_bytes()
+    hold.release()  # h1's llama-server writes now: the same generation name h2 just committed
+    assert (await saving)["saved"] == 0
+    assert final.read_bytes() == before
+    assert sorted(p.name for p in snaps.glob(f"{k}.*")) == [final.name]  # h1's staging file is gone
+    assert h2.store.reload(k) == committed  # h2's commit stands
+    result, *_ = await h2.h.turn("A")
+    assert result.outcome.value == "resident"

@@ -1,0 +1,370 @@
+"""Second adversarial review of fleet mode (issue 18), after the fixes of 563e529: each test states a
+behaviour the fleet design promises, against a way the current tree still breaks it (a proxied request to
+a stopped peer, a purge that deletes nothing, the leader's retention letting go of a session it serves,
+Redis values the parsers do not survive, a fan-out that waits for a host holding nothing, a shared
+directory that is the snapshot directory behind a link). All of them fail on the tree they were written
+against; see /tmp/kvnotes/report18_review2.md.
+
+They run against the two-host setup of test_fleet_fencing (coordinators on the fake backend, one shared
+snapshot and metadata directory, a real redis-server), or against the config and the store alone."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.types import Receive, Scope, Send
+
+from kvsidecar.config import config_from_mapping
+from kvsidecar.config_errors import ConfigInvalid
+from kvsidecar.errors import NotFound
+from kvsidecar.fleet.gate import LeaderRetention
+from kvsidecar.fleet.plane import HostRecord, awaited
+from kvsidecar.fleet.routing import FleetRouter
+from kvsidecar.metrics import Metrics
+from kvsidecar.proxy import Proxy
+from kvsidecar.retention import Deletion, RetentionJob
+from kvsidecar.store.snapshots import SnapshotStore
+from tests.fleet_helpers import eventually
+from tests.unit.test_fleet_fencing import Host, key_of, manifest_bytes, start_host
+
+__all__ = ["start_host"]  # the fixture, shared with test_fleet_fencing
+
+
+@contextmanager
+def silent_listener() -> Iterator[str]:
+    """A URL whose kernel completes the TCP handshake and then nothing ever answers: a SIGSTOPped host."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)  # never accepted
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+
+
+async def fake_peer(host: Host, host_id: str, url: str, *, ttl_ms: int, proxy: bool = False) -> None:
+    """A host record for `host_id` (advertise URL, or proxy URL, `url`) that lives `ttl_ms`."""
+    record = HostRecord(
+        host_id=host_id,
+        advertise_url=url,
+        version="x",
+        time=time.time(),
+        proxy_url=url if proxy else None,
+    )
+    await host.agent.client.set(f"t:host:{host_id}", record.to_json(), px=ttl_ms)
+    await awaited(host.agent.client.sadd("t:hosts", host_id))
+    await eventually(lambda: host_id in host.agent.hosts, what=f"{host.name} to see {host_id} live")
+
+
+# HIGH ------------------------------------------------------------------------------------------------
+async def test_a_proxied_request_for_a_host_that_stopped_is_served_here_once_it_is_no_longer_live(
+    start_host: Callable[..., Awaitable[Host]],
+) -> None:
+    """563e529 made the hook API race a forward against the peer's liveness (`_while_live`), but not the
+    proxy: `_to_peer` sends the client's request to the owner's proxy and waits `proxy.upstream_timeout_s`
+    (600 s by default) of silence before it even asks `_peer_working`; then it answers 504 (an
+    UpstreamTimeout is never "unreachable"), and the session is not taken over. A SIGSTOPped peer's kernel
+    completes the handshake, so the client hangs 10 minutes and then gets an error, where the hook API
+    serves the same session here after `host_ttl_s`."""
+    h1 = await start_host("h1")
+    k = key_of("A")
+    router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
+    proxy = Proxy(h1.coordinator, h1.coordinator.config, token=None, check_host=False)
+    proxy.fleet = lambda: router
+    served_here: list[str] = []
+
+    class LocalLlama:  # stands in for this host's llama-server: what is served here answers at once
+        async def forward(
+            self, scope: Scope, out: Any, receive: Receive, send: Send, **_: Any
+        ) -> tuple[str, None]:
+            served_here.append(out.path)
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+            return "ok", None
+
+    proxy.forwarder = LocalLlama()  # type: ignore[assignment]
+    with silent_listener() as url:
+        await fake_peer(h1, "h9", url, ttl_ms=1500, proxy=True)  # h9 stops heartbeating now
+        await h1.agent.client.set(f"t:owner:{k}", "h9|5", px=60_000)
+        transport = httpx.ASGITransport(app=proxy)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+                post = client.post(
+                    "/completion",
+                    json={"model": "m", "prompt": "hi"},
+                    headers={"X-Session-Id": "A"},
+                    timeout=None,
+                )
+                answer = await asyncio.wait_for(post, timeout=15)  # TimeoutError today (600 s)
+        finally:
+            await proxy.aclose()
+            await router.aclose()
+    assert answer.status_code == 200 and served_here == ["/completion"]
+    holder = await h1.agent.leases.holder(k)
+    assert holder is not None and holder.holder == "h1"  # taken over, as the hook API does
+
+
+async def test_a_purge_deletes_a_session_that_only_the_shared_directory_still_knows(
+    start_host: Callable[..., Awaitable[Host]], tmp_path: Path
+) -> None:
+    """`Coordinator.purge` looks for the session in this host's memory (`sessions.known`: its runtimes and
+    the manifests it loaded). A host that started before another host committed the session never loaded
+    that manifest: once the committing host is gone, `DELETE /v1/sessions/A` answers 404 on every host, the
+    snapshot stays in the shared directory, and the next acquire restores the conversation the client
+    asked to delete (the claim re-reads the shared manifest)."""
+    h1, h2 = await start_host("h1"), await start_host("h2")
+    k = key_of("A")
+    await h2.h.turn("A")
+    assert (await h2.coordinator.save("A"))["saved"] == 1
+    await h2.agent.aclose()  # h2 leaves the fleet for good (its lease's holder is no longer live)
+    await eventually(lambda: "h2" not in h1.agent.hosts, what="h2 gone from h1's view")
+    router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
+    try:
+        answer: dict[str, Any] | str = await router.everywhere(
+            "DELETE",
+            "/v1/sessions/A",
+            None,
+            0,
+            lambda: h1.coordinator.purge("A"),
+            ("purged", "bytes_freed"),
+        )
+    except NotFound as exc:
+        answer = f"404 {exc.message}"
+    finally:
+        await router.aclose()
+    assert manifest_bytes(tmp_path, k) is None, f"purge answered {answer!r}; the manifest is still shared"
+    result, *_ = await h1.h.turn("A")
+    assert result.outcome.value != "restored", "the purged conversation was restored"
+
+
+async def test_a_purge_that_deleted_nothing_does_not_report_the_session_purged(
+    start_host: Callable[..., Awaitable[Host]], tmp_path: Path
+) -> None:
+    """Each host purges only under a claim; when the lease is held by a host that is live but stopped
+    (SIGSTOP: live until `host_ttl_s`), every claim is refused, the stopped host's forward is given up
+    once it drops out, and the answer is still `{"purged": 1, "bytes_freed": 0}` with the manifest and
+    the files left in place: restored by the next acquire after the lease expires."""
+    h1 = await start_host("h1")
+    k = key_of("A")
+    await h1.h.turn("A")
+    assert (await h1.coordinator.save("A"))["saved"] == 1
+    router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
+    with silent_listener() as url:
+        await fake_peer(h1, "h9", url, ttl_ms=1500)  # h9 stops heartbeating now
+        await h1.agent.client.set(f"t:owner:{k}", f"h9|{10**15}", px=60_000)  # h9 took A, then stopped
+        try:
+            answer = await asyncio.wait_for(
+                router.everywhere(
+                    "DELETE",
+                    "/v1/sessions/A",
+                    None,
+                    0,
+                    lambda: h1.coordinator.purge("A"),
+                    ("purged", "bytes_freed"),
+                ),
+                timeout=15,
+            )
+        finally:
+            await router.aclose()
+    kept = manifest_bytes(tmp_path, k) is not None
+    assert not (kept and answer["purged"]), f"answered {answer} while the session's files were kept"
+
+
+async def test_the_leaders_retention_does_not_let_go_of_a_session_it_serves_meanwhile(
+    start_host: Callable[..., Awaitable[Host]],
+) -> None:
+    """`LeaderRetention.done` → `FleetGate.let_go` pops `tokens[key]` and releases the Redis lease without
+    the gate's per-key claim lock and without looking at what happened since the retention claim. An
+    acquire of that session on the leader while the deletion runs (its claim is a renewal of the same
+    token) loses its token: the leader serves the session with no right to write it (every save is
+    skipped as `not_owner`, its turns are lost) while Redis says nobody owns it."""
+    h1, h2 = await start_host("h1"), await start_host("h2")
+    await eventually(lambda: h1.agent.is_leader or h2.agent.is_leader, what="a leader")
+    leader, other = (h1, h2) if h1.agent.is_leader else (h2, h1)
+    k = key_of("B")
+    await other.h.turn("B")
+    assert (await other.coordinator.save("B"))["saved"] == 1
+    await other.h.turn("C")  # evicts B (one slot): B is resident nowhere
+    assert await other.agent.leases.release(k, other.name, other.gate.tokens[k])
+    config = leader.coordinator.config.retention.model_copy(update={"max_age_days": None})
+    job = RetentionJob(
+        store=leader.store, config=config, metrics=Metrics(), protected_keys=leader.coordinator.protected_keys
+    )
+    job.fleet = LeaderRetention(leader.agent, leader.gate, leader.store.reload_all)
+    job.policy = type(job.policy)(max_total_bytes=1)
+    entered, go = threading.Event(), threading.Event()
+    delete = job._delete
+
+    def slow_delete(d: Deletion) -> bool:
+        if d.file.key == k:
+            entered.set()
+            go.wait(10)
+        return delete(d)
+
+    job._delete = slow_delete  # type: ignore[method-assign]
+    run = asyncio.create_task(job.run())
+    await eventually(entered.is_set, what="retention to be deleting B")
+    await leader.h.turn("B")  # a turn of B lands on the leader meanwhile (the routing sends it there)
+    go.set()
+    await run
+    holder = await leader.agent.leases.holder(k)
+    assert leader.gate.tokens.get(k) is not None, "the leader serves B and holds no token for it"
+    assert holder is not None and holder.holder == leader.name
+    assert (await leader.coordinator.save("B"))["saved"] == 1
+
+
+# MEDIUM ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "entry",
+    [
+        b'{"server":"local","slot":1e400,"t":0}',  # int(inf): OverflowError
+        b"[" * 100_000,  # json.loads: RecursionError
+        b'{"server":"loc\xffal","slot":0,"t":0}',  # redis-py decode_responses: UnicodeDecodeError
+    ],
+    ids=["overflow", "deep", "not-utf8"],
+)
+async def test_a_malformed_residency_entry_neither_breaks_routing_nor_the_leaders_retention(
+    start_host: Callable[..., Awaitable[Host]], entry: bytes
+) -> None:
+    """`_residency` catches ValueError/TypeError/KeyError only; and redis-py decodes every reply as UTF-8,
+    raising UnicodeDecodeError (a ValueError, but outside the parser's try). Either escapes `owner_of`
+    (not in DOWN): every acquire of that session answers 500 on every host; and the leader's
+    `prepare` (every host's residency) raises, so retention never runs."""
+    h1 = await start_host("h1")
+    k = key_of("A")
+    with silent_listener() as url:
+        await fake_peer(h1, "h9", url, ttl_ms=60_000)
+        await h1.agent.client.hset("t:res:h9", k, entry)  # type: ignore[arg-type]
+        router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
+        try:
+            await router.owner_of(k)
+            await h1.agent.plane.residency("h9")
+        finally:
+            await router.aclose()
+
+
+async def test_an_owner_value_that_is_not_utf8_does_not_fail_the_acquire(
+    start_host: Callable[..., Awaitable[Host]],
+) -> None:
+    """563e529 parses owner values defensively after the GET, but the GET itself raises
+    UnicodeDecodeError on bytes that are not UTF-8 (decode_responses=True): `owner_of` raises, and every
+    acquire of that session answers 500 on every host."""
+    h1 = await start_host("h1")
+    k = key_of("A")
+    await h1.agent.client.set(f"t:owner:{k}", b"h9\xff|5")
+    router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
+    try:
+        await router.owner_of(k)
+    finally:
+        await router.aclose()
+
+
+@pytest.mark.parametrize("poison", ["member-not-utf8", "record-too-deep"])
+async def test_one_bad_host_entry_does_not_freeze_every_hosts_view_of_the_fleet(
+    start_host: Callable[..., Awaitable[Host]], poison: str
+) -> None:
+    """`live_hosts` reads the host set and every record: a member that is not UTF-8 (UnicodeDecodeError
+    from redis-py) or a record nested too deep (RecursionError: `from_json` catches ValueError, TypeError
+    and KeyError) raises out of the heartbeat after the register and before `self.hosts` is updated. The
+    heartbeat logs `heartbeat_failed` and stays "up": every host's live view is frozen for good, so a host
+    that stops stays live (forwards to it wait `forward_timeout_s`, `_while_live` never sees it go), and a
+    new one is never seen."""
+    h1, h2 = await start_host("h1"), await start_host("h2")
+    await eventually(lambda: "h2" in h1.agent.hosts, what="h1 to see h2")
+    if poison == "member-not-utf8":
+        await awaited(h1.agent.client.sadd("t:hosts", b"\xff"))  # type: ignore[arg-type]
+    else:
+        await h1.agent.client.set("t:host:h8", "[" * 100_000)
+        await awaited(h1.agent.client.sadd("t:hosts", "h8"))
+    beats = h1.agent.heartbeats
+    await h2.agent.aclose()  # h2 stops cleanly: deregistered at once
+    await eventually(lambda: "h2" not in h1.agent.hosts, timeout_s=5, what="h1 to see h2 gone")
+    assert h1.agent.heartbeats > beats
+
+
+async def test_a_fan_out_does_not_wait_for_a_host_that_holds_nothing_of_the_session(
+    start_host: Callable[..., Awaitable[Host]],
+) -> None:
+    """`everywhere` (events, save, invalidate, purge) calls every live host and waits for all of them:
+    563e529 bounds a peer by its liveness, but a live host whose API does not answer (its listener
+    saturated, a hung handler; its heartbeat, on Redis, goes on) delays every session's flush on every host
+    by `forward_timeout_s` (600 s), although it holds neither the session's lease nor its slot."""
+    h1 = await start_host("h1", forward_timeout_s=120)
+    with silent_listener() as url:
+        await fake_peer(h1, "h9", url, ttl_ms=60_000)  # live, holds nothing, never answers
+        router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
+
+        async def serve() -> dict[str, Any]:
+            return {"saved": 0}
+
+        try:
+            answer = await asyncio.wait_for(
+                router.everywhere(
+                    "POST", "/v1/sessions/A/events", {"type": "flush"}, 0, serve, ("saved",)
+                ),
+                timeout=15,
+            )  # TimeoutError today: 120 s here, 600 s by default
+        finally:
+            await router.aclose()
+    assert answer == {"saved": 0}
+
+
+def _linked_shared_dir(tmp_path: Path) -> tuple[Path, Path]:
+    snaps = tmp_path / "snaps"
+    snaps.mkdir()
+    os.chmod(snaps, 0o2770)  # what install-systemd sets up: llama-server writes through the group
+    link = tmp_path / "meta-link"
+    link.symlink_to(snaps)
+    return snaps, link
+
+
+def test_a_shared_dir_that_is_the_snapshot_dir_behind_a_link_is_refused(tmp_path: Path) -> None:
+    """`_nested` compares `os.path.abspath`s; install-systemd's `nested_problems` also looks where links
+    lead (realpath), the config check does not: a `fleet.shared_dir` that is a link to the snapshot
+    directory (or to state_dir) passes."""
+    snaps, link = _linked_shared_dir(tmp_path)
+    data = {
+        "state_dir": str(tmp_path / "state"),
+        "servers": {"local": {"snapshot_dir": str(snaps)}},
+        "fleet": {"enabled": True, "host_id": "h1", "shared_dir": str(link)},
+    }
+    with pytest.raises(ConfigInvalid) as caught:
+        config_from_mapping(data)
+    assert any(p.startswith("fleet.shared_dir") for p in caught.value.problems)
+
+
+def test_a_store_whose_shared_dir_resolves_to_the_snapshot_dir_keeps_the_llama_servers_access(
+    tmp_path: Path,
+) -> None:
+    """What such a config does at start: `StoreLayout.open` tightens the metadata directory as private
+    (0700) before it looks at the snapshot directories, so the snapshot directory loses the group access
+    llama-server writes through (2770 -> 0700): every save fails from then on."""
+    snaps, link = _linked_shared_dir(tmp_path)
+    store = SnapshotStore(state_dir=tmp_path / "state", snapshot_dirs={"local": snaps}, shared_dir=link)
+    store.open()
+    assert (snaps.stat().st_mode & 0o7777) == 0o2770
+
+
+# LOW -------------------------------------------------------------------------------------------------
+async def test_an_owner_token_too_long_to_record_does_not_lock_the_session_for_good(
+    start_host: Callable[..., Awaitable[Host]],
+) -> None:
+    """`holder()` caps a token at 20 digits, the take script does not: `<me>|<40 digits>` is renewed as
+    this host's, `advance` records the 40 digits, and the fence file is then over `_MAX_BYTES`: it reads
+    as UNREADABLE, and no host ever writes that session again until an operator edits the fence file."""
+    h1 = await start_host("h1")
+    k = key_of("A")
+    await h1.agent.client.set(f"t:owner:{k}", "h1|" + "9" * 40, px=60_000)
+    await h1.gate.claim(k)
+    await h1.agent.client.delete(f"t:owner:{k}")  # the bad value is gone: a fresh take follows
+    assert (await h1.gate.claim(k)).write, "the session can no longer be written by any host"
