@@ -227,7 +227,8 @@ def _hook_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
         result = await coordinator.acquire(
             None, provider=body.provider, model=body.model, purpose=body.purpose
         )
-        return result.to_dict()
+        router = fleet()  # fleet: served here, and its lease id names this host (released anywhere)
+        return router.named(result.to_dict()) if router is not None else result.to_dict()
 
     async def release(call: Call) -> dict[str, Any] | Response:
         """End a lease with the request's outcome and the engine's prompt/cache token counts."""
@@ -277,7 +278,7 @@ def _session_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
             return await serve()
         path = f"/v1/sessions/{segment(call.params['session_id'])}" + (f"/{action}" if action else "")
         body = call.body.model_dump(exclude_none=True) if call.body is not None else None
-        return await router.everywhere(method, path, body, call.hop, serve, sums)
+        return await router.everywhere(call.params["session_id"], method, path, body, call.hop, serve, sums)
 
     async def session_event(call: Call) -> dict[str, Any]:
         """A harness lifecycle event: `flush` (and enabled turn/step ends) checkpoint; `disposed` lets go."""

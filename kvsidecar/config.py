@@ -308,8 +308,12 @@ class FleetConfig(_Model):
 
 
 def _nested(a: Path, b: Path) -> bool:
-    a, b = Path(os.path.abspath(a)), Path(os.path.abspath(b))
-    return a == b or a in b.parents or b in a.parents
+    """One path inside the other (or the same), as written or where links lead."""
+    for resolve in (os.path.abspath, os.path.realpath):
+        x, y = Path(resolve(a)), Path(resolve(b))
+        if x == y or x in y.parents or y in x.parents:
+            return True
+    return False
 
 
 class LoggingConfig(_Model):

@@ -35,6 +35,7 @@ errors, `X-KV-*` headers) is `kvsidecar.proxy_answers`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,6 +103,9 @@ class _Sent:
     async def __call__(self, message: Message) -> None:
         self.started = True
         await self.send(message)
+
+
+_GONE = object()  # a peer proxy that stopped being live before it answered
 
 
 def _no_fleet() -> FleetRouter | None:
@@ -340,12 +344,46 @@ class Proxy:
             failed.append(exc)
             return True
 
-        result, _ = await self._peer(url).forward(scope, out, receive, send, no_answer=unreachable)
+        started: list[bool] = []
+
+        async def tracked(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                started.append(True)
+            await send(message)
+
+        forwarding = asyncio.ensure_future(
+            self._peer(url).forward(scope, out, receive, tracked, no_answer=unreachable)
+        )
+        result = await self._until_gone(forwarding, router, host_id, started)
+        if result is _GONE:  # the peer dropped out of the fleet before answering (stopped, partitioned)
+            failed.append(UpstreamError(f"host {host_id} is no longer live"))
         if failed:
             await router.proxy_unreachable(key, host_id, failed[0])
             return False
         self.requests.labels("fleet", result or "aborted").inc()
         return True
+
+    @staticmethod
+    async def _until_gone(
+        forwarding: asyncio.Future[tuple[str | None, Any]],
+        router: FleetRouter,
+        host_id: str,
+        started: list[bool],
+    ) -> str | object | None:
+        """The forward's result, or _GONE when the peer stopped being live before its answer began (the
+        forward is then cancelled, and the request is served here). Once the answer has begun streaming it
+        runs to its end (the peer's and the client's own limits end it)."""
+        try:
+            while True:
+                done, _ = await asyncio.wait({forwarding}, timeout=router.agent.settings.heartbeat_s)
+                if done:
+                    return forwarding.result()[0]
+                if not started and not router.is_live(host_id):
+                    return _GONE
+        finally:
+            if not forwarding.done():
+                forwarding.cancel()
+                await asyncio.gather(forwarding, return_exceptions=True)
 
     def _peer(self, url: str) -> Forwarder:
         """The forwarder to another host's proxy (one per URL, its connections kept)."""

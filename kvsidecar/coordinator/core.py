@@ -408,9 +408,7 @@ class Coordinator:
     async def invalidate(self, session_id: str) -> dict[str, Any]:
         marked = 0
         for rt in self.sessions.known(session_id):
-            if not (
-                await self.ownership.claim(rt.key)
-            ).write:  # fleet: its owner marks it (never in memory only)
+            if not (await self.ownership.claim(rt.key)).write:  # fleet: its owner marks it, durably
                 continue
             m = self.store.get(rt.key)
             for gen, _ in m.ordered_generations() if m else []:
@@ -421,15 +419,22 @@ class Coordinator:
         return {"invalidated": marked}
 
     async def purge(self, session_id: str) -> dict[str, Any]:
+        """Forget the session and delete its files. `purged` counts the identities whose files are gone:
+        in fleet mode only a key's owner deletes them (0: another host owns the session now), and the shared
+        manifests are read first (another host may have committed the session since this one started)."""
+        validate_session_id(session_id)
+        if self.config.fleet.enabled:
+            await asyncio.to_thread(self.store.reload_all)
         found = self.sessions.known(session_id)
         if not found:
             raise NotFound("no such session")
-        freed = 0
+        freed = purged = 0
         for rt in found:
             await self._disown(rt)
             if (await self.ownership.claim(rt.key)).write:  # fleet: only the key's owner deletes its files
                 freed += await asyncio.to_thread(self.store.purge, rt.key)
-        return {"purged": len(found), "bytes_freed": freed}
+                purged += 1
+        return {"purged": purged, "bytes_freed": freed}
 
     async def with_slot(self, server: str, fn: Callable[[int], Awaitable[T]]) -> T:
         """Run fn(slot_id) holding a slot of `server` as an auxiliary request (doctor's probes): the

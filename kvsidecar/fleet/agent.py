@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 from kvsidecar import __version__
 from kvsidecar.fleet import REDIS_DOWN, redacted
 from kvsidecar.fleet.ownership import Leases
-from kvsidecar.fleet.plane import FleetPlane, HostRecord, ServerRecord, connect
+from kvsidecar.fleet.plane import FleetPlane, HostRecord, ServerRecord, connect, session_hash
 from kvsidecar.logs import event
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ class FleetAgent:
                     if op.where is None:
                         await self.plane.drop_resident(self.host_id, [op.key])
                     else:
-                        await self.plane.set_resident(self.host_id, op.key, *op.where)
+                        await self.plane.set_resident(self.host_id, op.key, *op.where, sid=self.sid(op.key))
                 self.queue.popleft()
 
     async def _heartbeat_loop(self) -> None:
@@ -174,8 +174,9 @@ class FleetAgent:
                     await self.heartbeat()
             except DOWN as exc:
                 self.went_down(exc)
-            except Exception:  # a bug here must not end fleet mode for good: the next beat retries
+            except Exception:  # a bug (or a value we cannot read) must not end fleet mode: next beat retries
                 log.exception("kv.fleet.heartbeat_failed")
+                self.hosts = {}  # a live view this beat could not refresh is not trusted: serve here
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.settings.heartbeat_s):
                     await self._stop.wait()
@@ -188,7 +189,7 @@ class FleetAgent:
             truth = self.residency()
             self.queue.clear()  # every event queued so far is part of this truth
             self.mirror = {where: key for key, where in truth.items()}
-            await self.plane.replace_residency(self.host_id, truth)
+            await self.plane.replace_residency(self.host_id, truth, {k: self.sid(k) for k in truth})
         self.is_leader = await self.leases.campaign(self.host_id, self.settings.host_ttl_s)
         self.hosts = await self.plane.live_hosts()
         self.heartbeats += 1
@@ -217,6 +218,11 @@ class FleetAgent:
             self._wake.set()
 
     # what this host is -------------------------------------------------------------------------------
+    def sid(self, key: str) -> str:
+        """The session hash of a key this host knows ("" if it knows none)."""
+        rt = self.coordinator.sessions.get(key)
+        return session_hash(rt.identity.session_id) if rt is not None else ""
+
     def residency(self) -> dict[str, tuple[str, int]]:
         """Session key -> (server, slot), from the coordinator's slots (the truth)."""
         return {

@@ -87,16 +87,21 @@ class FleetGate:
             self.taken_over += before != 0
         return Claim(write=True, stale=stale)
 
-    async def let_go(self, key: str) -> None:
-        """Give a key's ownership back (the leader, after retention deleted it); best effort."""
-        token = self.tokens.pop(key, None)
-        if token is None or not self.agent.redis_up:
-            return
-        try:
-            async with asyncio.timeout(self.agent.op_timeout_s * 2):
-                await self.agent.leases.release(key, self.agent.host_id, token)
-        except DOWN as exc:
-            self.agent.went_down(exc)
+    async def let_go(self, key: str, token: int | None, *, unless: Callable[[], bool]) -> None:
+        """Give a key's ownership back (the leader, after retention deleted it), if this host still holds
+        it under `token` and `unless()` is false (it did not start serving the key meanwhile); best effort.
+        Under the key's claim lock: never between another claim's steps."""
+        async with self._claiming.setdefault(key, asyncio.Lock()):
+            if token is None or self.tokens.get(key) != token or unless():
+                return
+            del self.tokens[key]
+            if not self.agent.redis_up:
+                return
+            try:
+                async with asyncio.timeout(self.agent.op_timeout_s * 2):
+                    await self.agent.leases.release(key, self.agent.host_id, token)
+            except DOWN as exc:
+                self.agent.went_down(exc)
 
     async def _still_mine(self, key: str) -> bool:
         """This host holds a token for `key` and it is still the one recorded (nobody took the key since)."""
@@ -133,6 +138,7 @@ class LeaderRetention:
         self.agent = agent
         self.gate = gate
         self.reload_all = reload_all
+        self._taken: dict[str, int | None] = {}  # key -> the token retention's claim held
 
     async def prepare(self) -> set[str] | None:
         agent = self.agent
@@ -151,12 +157,18 @@ class LeaderRetention:
         return held
 
     async def claim(self, key: str) -> bool:
-        if self.agent.coordinator.ownership.held_here(key):
+        ownership = self.agent.coordinator.ownership
+        if ownership.held_here(key):
             return False  # resident or busy on this host (the leader serves sessions too)
-        return (await self.agent.coordinator.ownership.claim(key)).write
+        if not (await ownership.claim(key)).write:
+            return False
+        self._taken[key] = self.gate.tokens.get(key)
+        return True
 
     async def done(self, key: str) -> None:
-        await self.gate.let_go(key)
+        ownership = self.agent.coordinator.ownership
+        token = self._taken.pop(key, None)
+        await self.gate.let_go(key, token, unless=lambda: ownership.held_here(key))
 
     def leads(self) -> bool:
         return self.agent.redis_up and self.agent.is_leader

@@ -41,7 +41,7 @@ _TAKE = """
 local cur = redis.call('GET', KEYS[1])
 local sep = cur and string.find(cur, '|', 1, true)
 -- a value that is not "<host>|<digits>" holds nothing: it is taken over (fencing covers whoever wrote it)
-if sep and string.match(string.sub(cur, sep + 1), '^%d+$') then
+if sep and string.match(string.sub(cur, sep + 1), '^%d+$') and #cur - sep <= 18 then
   local holder = string.sub(cur, 1, sep - 1)
   local token = string.sub(cur, sep + 1)
   if holder == ARGV[1] then
@@ -95,6 +95,9 @@ class Ownership:
     new: bool  # a new take (a new token); False: a renewal, or refused
 
 
+MAX_TOKEN_DIGITS = 18  # tokens are Redis' clock in ms (13 digits) and up; a fence file records < 2**63
+
+
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
@@ -119,7 +122,10 @@ class Leases:
         keys = [*self._keys(key), f"{self.prefix}:host:"]
         args: list[str | int] = [host_id, _ms(ttl_s), "1" if force else "0"]
         granted, token, holder, new = await self._take(keys=keys, args=args)
-        return Ownership(granted=bool(int(granted)), token=int(token), holder=str(holder), new=bool(int(new)))
+        value = int(token) if str(token).isdigit() and len(str(token)) <= MAX_TOKEN_DIGITS else None
+        if value is None:  # a counter someone set beyond what a fence file records: nobody gets the key
+            return Ownership(granted=False, token=0, holder=str(holder), new=False)
+        return Ownership(granted=bool(int(granted)), token=value, holder=str(holder), new=bool(int(new)))
 
     async def is_current(self, key: str, host_id: str, token: int) -> bool:
         """Whether `host_id` holds `key` under `token` now (advisory: see the module docstring)."""
@@ -132,7 +138,7 @@ class Leases:
         if value is None:
             return None
         holder, sep, token = str(value).rpartition("|")
-        if not sep or not holder or not token.isdigit() or len(token) > 20:
+        if not sep or not holder or not token.isdigit() or len(token) > MAX_TOKEN_DIGITS:
             return None
         return Ownership(granted=False, token=int(token), holder=holder, new=False)
 

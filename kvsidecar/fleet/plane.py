@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
+import xxhash
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -79,6 +80,8 @@ class HostRecord:
     def from_json(cls, text: str) -> HostRecord | None:
         """None for anything that is not a record we wrote (a peer's newer format, garbage)."""
         try:
+            if len(text) > MAX_VALUE:
+                return None
             data = json.loads(text)
             if not isinstance(data, dict) or data.get("v") != RECORD_VERSION:
                 return None
@@ -95,7 +98,7 @@ class HostRecord:
                 servers=servers,
                 proxy_url=str(proxy_url) if _url(proxy_url) else None,
             )
-        except (ValueError, TypeError, KeyError):
+        except PARSE_ERRORS:
             return None
 
 
@@ -133,6 +136,15 @@ class Residency:
     server: str
     slot: int
     since: float
+    sid: str = ""  # session_hash of the session id ("" if unknown): which hosts hold a session's keys
+
+
+SID = re.compile(r"\A[0-9a-f]{16}\Z")
+
+
+def session_hash(session_id: str) -> str:
+    """What Redis holds of a session id (never the id itself): enough to find the hosts holding it."""
+    return xxhash.xxh3_64_hexdigest(b"kvsidecar-session\0" + session_id.encode())
 
 
 def connect(url: str, *, timeout_s: float, **extra: Any) -> aioredis.Redis:
@@ -141,6 +153,7 @@ def connect(url: str, *, timeout_s: float, **extra: Any) -> aioredis.Redis:
     client: aioredis.Redis = aioredis.Redis.from_url(
         url,
         decode_responses=True,
+        encoding_errors="replace",  # a value that is not UTF-8 is refused by our parsing, never raises
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 1),
@@ -185,14 +198,18 @@ class FleetPlane:
 
     async def live_hosts(self) -> dict[str, HostRecord]:
         """Every host whose record has not expired, by id; ids whose record is gone are pruned."""
-        ids = sorted(await awaited(self.redis.smembers(self.key("hosts"))))
+        members = await awaited(self.redis.smembers(self.key("hosts")))
+        ids = sorted(m for m in members if isinstance(m, str) and HOST_ID.match(m))
+        bad = [m for m in members if not isinstance(m, str) or not HOST_ID.match(m)]
+        if bad:  # not a host id of ours (written by something else): dropped, never read as a key
+            await awaited(self.redis.srem(self.key("hosts"), *bad))
         if not ids:
             return {}
         texts = await self.redis.mget([self.key("host", h) for h in ids])
         out: dict[str, HostRecord] = {}
         dead = []
         for host_id, text in zip(ids, texts, strict=True):
-            record = HostRecord.from_json(text) if text is not None else None
+            record = HostRecord.from_json(text) if isinstance(text, str) else None
             if record is None or record.host_id != host_id:
                 dead.append(host_id)
             else:
@@ -203,13 +220,14 @@ class FleetPlane:
 
     # the residency map -------------------------------------------------------------------------------
     @staticmethod
-    def _entry(server: str, slot: int) -> str:
-        return json.dumps({"server": server, "slot": slot, "t": time.time()}, separators=(",", ":"))
+    def _entry(server: str, slot: int, sid: str = "") -> str:
+        entry = {"server": server, "slot": slot, "t": time.time(), "sid": sid}
+        return json.dumps(entry, separators=(",", ":"))
 
-    async def set_resident(self, host_id: str, key: str, server: str, slot: int) -> None:
+    async def set_resident(self, host_id: str, key: str, server: str, slot: int, sid: str = "") -> None:
         name = self.key("res", host_id)
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(name, key, self._entry(server, slot))
+            pipe.hset(name, key, self._entry(server, slot, sid))
             pipe.pexpire(name, self.host_ttl_ms)
             await pipe.execute()
 
@@ -218,13 +236,20 @@ class FleetPlane:
         if gone:
             await awaited(self.redis.hdel(self.key("res", host_id), *gone))
 
-    async def replace_residency(self, host_id: str, resident: Mapping[str, tuple[str, int]]) -> None:
+    async def replace_residency(
+        self,
+        host_id: str,
+        resident: Mapping[str, tuple[str, int]],
+        sids: Mapping[str, str] | None = None,
+    ) -> None:
         """The whole truth of this host (every heartbeat): repairs any event that was dropped or failed."""
         name = self.key("res", host_id)
+        sids = sids or {}
+        entries = {k: self._entry(s, slot, sids.get(k, "")) for k, (s, slot) in resident.items()}
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(name)
             if resident:
-                pipe.hset(name, mapping={k: self._entry(s, slot) for k, (s, slot) in resident.items()})
+                pipe.hset(name, mapping=entries)
                 pipe.pexpire(name, self.host_ttl_ms)
             await pipe.execute()
 
@@ -249,6 +274,21 @@ class FleetPlane:
         raw = await awaited(self.redis.hgetall(self.key("res", host_id)))
         return {k: e for k, v in raw.items() if (e := _residency(host_id, v)) is not None}
 
+    async def holding_session(self, sid: str, live: Iterable[str]) -> set[str]:
+        """The live hosts holding any key of the session whose `session_hash` is `sid` in a slot."""
+        hosts = sorted(live)
+        if not hosts:
+            return set()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for host_id in hosts:
+                pipe.hvals(self.key("res", host_id))
+            found = await pipe.execute()
+        return {
+            host_id
+            for host_id, values in zip(hosts, found, strict=True)
+            if any((e := _residency(host_id, v)) is not None and e.sid == sid for v in values or [])
+        }
+
     async def sessions_per_host(self, hosts: Iterable[str]) -> dict[str, int]:
         ids = sorted(hosts)
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -258,11 +298,20 @@ class FleetPlane:
         return {h: int(n) for h, n in zip(ids, counts, strict=True)}
 
 
+MAX_VALUE = 64 * 1024  # a Redis value larger than this is not one we wrote
+# What parsing a value from Redis may raise besides our own refusals (it is input: never past here).
+PARSE_ERRORS = (ValueError, TypeError, KeyError, OverflowError, RecursionError, AttributeError)
+
+
 def _residency(host_id: str, text: str) -> Residency | None:
     try:
+        if not isinstance(text, str) or len(text) > 1024:
+            return None
         data = json.loads(text)
-        return Residency(
-            host_id=host_id, server=str(data["server"]), slot=int(data["slot"]), since=float(data["t"])
-        )
-    except (ValueError, TypeError, KeyError):
+        slot, since, sid = data["slot"], data["t"], data.get("sid", "")
+        if type(slot) is not int or not 0 <= slot < 1 << 20 or not isinstance(since, int | float):
+            return None
+        sid = sid if isinstance(sid, str) and SID.match(sid) else ""
+        return Residency(host_id=host_id, server=str(data["server"]), slot=slot, since=float(since), sid=sid)
+    except PARSE_ERRORS:
         return None

@@ -35,7 +35,7 @@ from kvsidecar.client_wire import segment
 from kvsidecar.coordinator.ownership import Claim
 from kvsidecar.errors import KvError, LeaseNotFound, NotFound
 from kvsidecar.fleet.gate import DOWN
-from kvsidecar.fleet.plane import HostRecord
+from kvsidecar.fleet.plane import HostRecord, session_hash
 from kvsidecar.logs import event
 from kvsidecar.router import HOP_HEADER
 
@@ -166,8 +166,8 @@ class FleetRouter:
                 await asyncio.gather(task, return_exceptions=True)
 
     def is_live(self, host_id: str) -> bool:
-        """`host_id` is live as of this host's last heartbeat (while Redis answers; else assumed so)."""
-        return host_id in self._live() if self.agent.redis_up else True
+        """`host_id` is live as of this host's last heartbeat (not while Redis is down: nothing is)."""
+        return host_id in self._live()
 
     def host_of_proxy(self, url: str) -> str | None:
         return next((h for h, r in self._live().items() if r.proxy_url == url), None)
@@ -183,14 +183,14 @@ class FleetRouter:
     ) -> dict[str, Any] | Response:
         """An acquire (or a restore): forwarded to the host the session belongs to, or served here."""
         if key is None or server is None or hop >= MAX_HOPS:  # a peer insisted: served where it lands
-            return self._named(await serve())
+            return self.named(await serve())
         target = await self.decide(key, server, hop)
         if target != self.host_id:
             try:
                 return await self.forward(target, "POST", path, body, hop)
             except UNREACHABLE as exc:
                 await self._take_over(key, target, exc)
-        return self._named(await serve())
+        return self.named(await serve())
 
     async def decide(self, key: str, server: str, hop: int) -> str:
         """The host that serves session key `key` of `server` now (this host's id: here). A session placed
@@ -232,7 +232,7 @@ class FleetRouter:
         )
         return await self.coordinator.ownership.claim(key, force=True)
 
-    def _named(self, answer: dict[str, Any]) -> dict[str, Any]:
+    def named(self, answer: dict[str, Any]) -> dict[str, Any]:
         if answer.get("lease_id"):
             answer["lease_id"] = f"{self.host_id}{LEASE_SEP}{answer['lease_id']}"
         if answer.get("outcome") != "bypass":
@@ -252,8 +252,20 @@ class FleetRouter:
         except UNREACHABLE:
             raise LeaseNotFound("no such lease (its host cannot be reached)") from None
 
+    async def _holding(self, session_id: str) -> set[str]:
+        live = self._live()
+        if not live:
+            return set()
+        try:
+            async with asyncio.timeout(self.agent.op_timeout_s * 2):
+                return await self.agent.plane.holding_session(session_hash(session_id), live)
+        except DOWN as exc:
+            self.agent.went_down(exc)
+            return set()
+
     async def everywhere(
         self,
+        session_id: str,
         method: str,
         path: str,
         body: dict[str, Any] | None,
@@ -261,11 +273,13 @@ class FleetRouter:
         serve: Callable[[], Awaitable[dict[str, Any]]],
         sum_keys: tuple[str, ...],
     ) -> dict[str, Any]:
-        """A session-scoped call on every live host (this one directly); the numbers in `sum_keys` summed.
-        NotFound only when no host knows the session."""
+        """A session-scoped call on this host and on every live host holding the session in a slot (found by
+        its session hash in the residency map); the numbers in `sum_keys` summed. NotFound only when no host
+        knows the session. A session held nowhere is this host's to act on (a flush has nothing to save; a
+        purge or an invalidate claims its keys here)."""
         if hop > 0:
             return await serve()
-        peers = [h for h in self._live() if h != self.host_id]
+        peers = sorted(await self._holding(session_id) - {self.host_id})
         results: list[dict[str, Any] | BaseException] = list(
             await asyncio.gather(
                 serve(), *(self._peer(h, method, path, body) for h in peers), return_exceptions=True

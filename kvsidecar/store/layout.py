@@ -72,6 +72,10 @@ class StoreLayout:
         """Create the directories 0700, then tighten the ones that exist and are ours (spec: KV snapshots
         are plaintext transcripts). A snapshot directory shared with llama-server's group (setgid,
         group-writable: what install-systemd sets up) keeps exactly 2770."""
+        if self.shared and self.meta_dir in {*self.snapshot_dirs.values(), self.state_dir}:
+            raise MetadataIO(  # it would be tightened 0700: llama-server could no longer write there
+                f"fleet.shared_dir resolves to {self.meta_dir}, a snapshot directory or state_dir"
+            )
         try:
             fences = [self.fences_dir] if self.shared else []
             for d in (self.manifests_dir, self.fingerprints_dir, *fences, *self.snapshot_dirs.values()):

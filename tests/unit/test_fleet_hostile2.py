@@ -1,12 +1,8 @@
-"""Second adversarial review of fleet mode (issue 18), after the fixes of 563e529: each test states a
-behaviour the fleet design promises, against a way the current tree still breaks it (a proxied request to
-a stopped peer, a purge that deletes nothing, the leader's retention letting go of a session it serves,
-Redis values the parsers do not survive, a fan-out that waits for a host holding nothing, a shared
-directory that is the snapshot directory behind a link). All of them fail on the tree they were written
-against; see /tmp/kvnotes/report18_review2.md.
-
-They run against the two-host setup of test_fleet_fencing (coordinators on the fake backend, one shared
-snapshot and metadata directory, a real redis-server), or against the config and the store alone."""
+"""Hostile and racing cases of fleet mode (issue 18), from its second adversarial review: a proxied
+request to a stopped peer, a purge that deletes nothing, the leader's retention letting go of a session it
+serves, an auxiliary lease released through another host, Redis values the parsers must survive, a
+fan-out that must not wait for a host holding nothing, a shared directory that is the snapshot directory
+behind a link, an owner token too long to record. Each failed on the tree it was written against."""
 
 from __future__ import annotations
 
@@ -22,11 +18,13 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from starlette.types import Receive, Scope, Send
 
+from kvsidecar.api import create_app
 from kvsidecar.config import config_from_mapping
 from kvsidecar.config_errors import ConfigInvalid
-from kvsidecar.errors import NotFound
+from kvsidecar.errors import MetadataIO, NotFound
 from kvsidecar.fleet.gate import LeaderRetention
 from kvsidecar.fleet.plane import HostRecord, awaited
 from kvsidecar.fleet.routing import FleetRouter
@@ -131,6 +129,7 @@ async def test_a_purge_deletes_a_session_that_only_the_shared_directory_still_kn
     router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
     try:
         answer: dict[str, Any] | str = await router.everywhere(
+            "A",
             "DELETE",
             "/v1/sessions/A",
             None,
@@ -165,6 +164,7 @@ async def test_a_purge_that_deleted_nothing_does_not_report_the_session_purged(
         try:
             answer = await asyncio.wait_for(
                 router.everywhere(
+                    "A",
                     "DELETE",
                     "/v1/sessions/A",
                     None,
@@ -223,6 +223,43 @@ async def test_the_leaders_retention_does_not_let_go_of_a_session_it_serves_mean
     assert (await leader.coordinator.save("B"))["saved"] == 1
 
 
+async def test_an_auxiliary_lease_can_be_released_through_any_host(
+    start_host: Callable[..., Awaitable[Host]],
+) -> None:
+    """FLEET.md: a release "may be sent to any host: it follows the lease". `POST /v1/acquire` (titles,
+    compaction) is not wrapped by the router: its lease id is not `<host>~<id>`, so a release that reaches
+    another host answers 404 there, and the auxiliary lease (the reserved aux slot, or a session's slot
+    whose owner was saved for it) stays held on the first host until `api.lease_ttl_s`."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    h1 = await start_host("h1", advertise_url=url)
+    h2 = await start_host("h2")
+    await eventually(lambda: "h1" in h2.agent.hosts, what="h2 to see h1")
+    r1 = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
+    r2 = FleetRouter(h2.agent, h2.gate, h2.coordinator, token=None)
+    app1 = create_app(h1.coordinator, check_host=False, fleet=lambda: r1)
+    app2 = create_app(h2.coordinator, check_host=False, fleet=lambda: r2)
+    server = uvicorn.Server(uvicorn.Config(app1, lifespan="off", log_level="warning"))
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    try:
+        await eventually(lambda: server.started, what="h1's hook API")
+        body = {"provider": "local", "model": "m", "purpose": "title"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app1), base_url=url) as c1:
+            lease = (await c1.post("/v1/acquire", json=body)).json()
+        assert lease["lease_id"]
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app2), base_url=url) as c2:
+            done = await c2.post(f"/v1/leases/{lease['lease_id']}/release", json={"status": "ok"})
+        assert done.status_code == 200, done.text
+        assert h1.coordinator.status()["leases"] == 0
+    finally:
+        server.should_exit = True
+        await serving
+        sock.close()
+        await r1.aclose()
+        await r2.aclose()
+
+
 # MEDIUM ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "entry",
@@ -244,7 +281,7 @@ async def test_a_malformed_residency_entry_neither_breaks_routing_nor_the_leader
     k = key_of("A")
     with silent_listener() as url:
         await fake_peer(h1, "h9", url, ttl_ms=60_000)
-        await h1.agent.client.hset("t:res:h9", k, entry)  # type: ignore[arg-type]
+        await awaited(h1.agent.client.hset("t:res:h9", k, entry))  # type: ignore[arg-type]
         router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
         try:
             await router.owner_of(k)
@@ -282,7 +319,7 @@ async def test_one_bad_host_entry_does_not_freeze_every_hosts_view_of_the_fleet(
     h1, h2 = await start_host("h1"), await start_host("h2")
     await eventually(lambda: "h2" in h1.agent.hosts, what="h1 to see h2")
     if poison == "member-not-utf8":
-        await awaited(h1.agent.client.sadd("t:hosts", b"\xff"))  # type: ignore[arg-type]
+        await awaited(h1.agent.client.sadd("t:hosts", b"\xff"))
     else:
         await h1.agent.client.set("t:host:h8", "[" * 100_000)
         await awaited(h1.agent.client.sadd("t:hosts", "h8"))
@@ -310,7 +347,7 @@ async def test_a_fan_out_does_not_wait_for_a_host_that_holds_nothing_of_the_sess
         try:
             answer = await asyncio.wait_for(
                 router.everywhere(
-                    "POST", "/v1/sessions/A/events", {"type": "flush"}, 0, serve, ("saved",)
+                    "A", "POST", "/v1/sessions/A/events", {"type": "flush"}, 0, serve, ("saved",)
                 ),
                 timeout=15,
             )  # TimeoutError today: 120 s here, 600 s by default
@@ -351,7 +388,8 @@ def test_a_store_whose_shared_dir_resolves_to_the_snapshot_dir_keeps_the_llama_s
     llama-server writes through (2770 -> 0700): every save fails from then on."""
     snaps, link = _linked_shared_dir(tmp_path)
     store = SnapshotStore(state_dir=tmp_path / "state", snapshot_dirs={"local": snaps}, shared_dir=link)
-    store.open()
+    with pytest.raises(MetadataIO, match=r"fleet\.shared_dir"):  # refused at start, before any chmod
+        store.open()
     assert (snaps.stat().st_mode & 0o7777) == 0o2770
 
 
