@@ -272,13 +272,16 @@ def _session_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
     async def everywhere(
         call: Call, method: str, action: str, serve: Callable[[], Awaitable[dict[str, Any]]], *sums: str
     ) -> dict[str, Any]:
-        """Fleet mode: on every live host (each acts on what it holds of the session), numbers summed."""
+        """Fleet mode: here and on the hosts holding the session (purge and invalidate: every live host,
+        an owner need not hold it in a slot); each acts on what it holds, numbers summed."""
         router = fleet()
         if router is None:
             return await serve()
         path = f"/v1/sessions/{segment(call.params['session_id'])}" + (f"/{action}" if action else "")
         body = call.body.model_dump(exclude_none=True) if call.body is not None else None
-        return await router.everywhere(call.params["session_id"], method, path, body, call.hop, serve, sums)
+        every = action in ("", "invalidate")
+        sid = call.params["session_id"]
+        return await router.everywhere(sid, method, path, body, call.hop, serve, sums, every_host=every)
 
     async def session_event(call: Call) -> dict[str, Any]:
         """A harness lifecycle event: `flush` (and enabled turn/step ends) checkpoint; `disposed` lets go."""

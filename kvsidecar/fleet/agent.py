@@ -72,6 +72,7 @@ class FleetAgent:
         self.ping_ms: float | None = None
         self.is_leader = False
         self.hosts: dict[str, HostRecord] = {}  # live hosts at the last heartbeat
+        self.hosts_fresh = False  # the last heartbeat refreshed `hosts` (else nothing routes by them)
         self.heartbeats = 0  # successful ones
         self.last_heartbeat: float | None = None  # wall clock
         self._wake = asyncio.Event()
@@ -176,7 +177,7 @@ class FleetAgent:
                 self.went_down(exc)
             except Exception:  # a bug (or a value we cannot read) must not end fleet mode: next beat retries
                 log.exception("kv.fleet.heartbeat_failed")
-                self.hosts = {}  # a live view this beat could not refresh is not trusted: serve here
+                self.hosts_fresh = False  # a live view this beat could not refresh: routing serves here
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.settings.heartbeat_s):
                     await self._stop.wait()
@@ -192,6 +193,7 @@ class FleetAgent:
             await self.plane.replace_residency(self.host_id, truth, {k: self.sid(k) for k in truth})
         self.is_leader = await self.leases.campaign(self.host_id, self.settings.host_ttl_s)
         self.hosts = await self.plane.live_hosts()
+        self.hosts_fresh = True
         self.heartbeats += 1
         self.last_heartbeat = time.time()
         self._came_back()

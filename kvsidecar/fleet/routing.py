@@ -79,7 +79,9 @@ class FleetRouter:
 
     # where ---------------------------------------------------------------------------------------------
     def _live(self) -> dict[str, HostRecord]:
-        return dict(self.agent.hosts) if self.agent.redis_up else {}
+        """The live hosts to route by: none while Redis is down or the last heartbeat could not read them."""
+        agent = self.agent
+        return dict(agent.hosts) if agent.redis_up and agent.hosts_fresh else {}
 
     async def owner_of(self, key: str) -> str | None:
         """The live host where `key` belongs now (its lease, then its residency; this host included), or
@@ -166,8 +168,13 @@ class FleetRouter:
                 await asyncio.gather(task, return_exceptions=True)
 
     def is_live(self, host_id: str) -> bool:
-        """`host_id` is live as of this host's last heartbeat (not while Redis is down: nothing is)."""
-        return host_id in self._live()
+        """Whether a call waiting on `host_id` should go on waiting: False only when Redis answered and
+        the host's record is gone (it stopped heartbeating). While Redis or the view is unavailable
+        nothing is known, and a peer that may be fine is not given up."""
+        agent = self.agent
+        if not agent.redis_up or not agent.hosts_fresh:
+            return True
+        return host_id in agent.hosts
 
     def host_of_proxy(self, url: str) -> str | None:
         return next((h for h, r in self._live().items() if r.proxy_url == url), None)
@@ -272,6 +279,8 @@ class FleetRouter:
         hop: int,
         serve: Callable[[], Awaitable[dict[str, Any]]],
         sum_keys: tuple[str, ...],
+        *,
+        every_host: bool = False,
     ) -> dict[str, Any]:
         """A session-scoped call on this host and on every live host holding the session in a slot (found by
         its session hash in the residency map); the numbers in `sum_keys` summed. NotFound only when no host
@@ -279,7 +288,10 @@ class FleetRouter:
         purge or an invalidate claims its keys here)."""
         if hop > 0:
             return await serve()
-        peers = sorted(await self._holding(session_id) - {self.host_id})
+        if every_host:  # purge, invalidate: a host may own the session without holding it in a slot
+            peers = sorted(set(self._live()) - {self.host_id})
+        else:
+            peers = sorted(await self._holding(session_id) - {self.host_id})
         results: list[dict[str, Any] | BaseException] = list(
             await asyncio.gather(
                 serve(), *(self._peer(h, method, path, body) for h in peers), return_exceptions=True

@@ -172,7 +172,7 @@ class SavePlanner:
         The file is checked, hashed and chmod-ed through one descriptor opened without following links:
         a link, FIFO, hard link or foreign file at the name is refused (and the entry removed)."""
         try:
-            header, size, digest = self._check_written(plan, checksum=checksum)
+            header, size, digest, checked = self._check_written(plan, checksum=checksum)
             now = self.table.clock()
             record = GenerationRecord(
                 filename=plan.final or plan.filename,
@@ -188,7 +188,7 @@ class SavePlanner:
             self.records.register(fingerprint)
             with self.table.updating(), self.table.fenced(plan.identity.key, "commit"):
                 if plan.staged:  # the name the manifest will reference appears only under the fence
-                    self._publish(plan)
+                    self._publish(plan, checked)
                 manifest = self.table.put(self._committed(plan, record, now, session_seq))
             self.table.saw_runtime(plan.identity.server, fingerprint.digest, format_version=header.version)
             return manifest
@@ -206,7 +206,9 @@ class SavePlanner:
         finally:
             self.abort_save(plan)
 
-    def _check_written(self, plan: SavePlan, *, checksum: bool) -> tuple[Header, int, str | None]:
+    def _check_written(
+        self, plan: SavePlan, *, checksum: bool
+    ) -> tuple[Header, int, str | None, tuple[int, int]]:
         """The written file's header, size and (if `checksum`) digest, read through one descriptor;
         ours is made 0600 (transcripts), a file of llama-server's user keeps its umask."""
         with self.layout.snap[plan.identity.server].open_file(plan.filename) as (fd, st):
@@ -222,9 +224,9 @@ class SavePlanner:
                 raise SnapshotCorrupt(f"{plan.filename}: changed while being checked")
             if digest is not None and self.verified is not None:  # the next restore need not hash it
                 self.verified.remember(plan.identity.server, plan.final or plan.filename, after, digest)
-        return header, st.st_size, digest
+        return header, st.st_size, digest, (after.st_dev, after.st_ino)
 
-    def _publish(self, plan: SavePlan) -> None:
+    def _publish(self, plan: SavePlan, checked: tuple[int, int]) -> None:
         """Rename the checked staging file to the generation's name (atomic in one directory), and make sure
         the name now holds that very file (nothing swapped in between the check and the rename)."""
         d = self.layout.snap[plan.identity.server]
@@ -232,9 +234,11 @@ class SavePlanner:
         d.check(plan.final)
         with d.fd() as dfd:
             before = os.stat(plan.filename, dir_fd=dfd, follow_symlinks=False)
+            if (before.st_dev, before.st_ino) != checked:
+                raise SnapshotCorrupt(f"{plan.filename}: replaced after it was checked; not committed")
             os.rename(plan.filename, plan.final, src_dir_fd=dfd, dst_dir_fd=dfd)
             after = os.stat(plan.final, dir_fd=dfd, follow_symlinks=False)
-        if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISREG(after.st_mode):
+        if (after.st_dev, after.st_ino) != checked or not stat.S_ISREG(after.st_mode):
             raise SnapshotCorrupt(f"{plan.final}: not the file that was checked")
 
     def _committed(
