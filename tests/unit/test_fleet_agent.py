@@ -4,6 +4,7 @@ status section and the metrics, and single-host mode untouched."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -27,6 +28,7 @@ from kvsidecar.fleet.agent import FleetAgent
 from kvsidecar.fleet.plane import FleetPlane, connect
 from kvsidecar.service import Daemon
 from tests.fleet_helpers import RedisServer, eventually
+from tests.integration.test_dashboard_real import DASHBOARD, dashboard_exprs, exposed_names, metric_names
 from tests.unit.coordinator_helpers import Harness, start_harness
 from tests.unit.test_metrics_naming import naming_problems
 
@@ -175,6 +177,27 @@ async def test_status_has_a_fleet_section_that_matches_its_model(start_host: Any
     assert parsed.resident_sessions == 1 and parsed.publish_dropped == 0
     families = await scrape(h)
     assert families["kvsidecar_fleet_hosts"] == 1 and families["kvsidecar_fleet_leader"] == 1
+
+
+async def test_every_fleet_metric_of_the_dashboard_exists_in_fleet_mode(start_host: Any) -> None:
+    h, agent = await start_host("h1")
+    await eventually(lambda: agent.heartbeats >= 1, what="a heartbeat")
+    app = create_app(h.coordinator, token=TOKEN)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app),
+        base_url="http://127.0.0.1:8377",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    ) as c:
+        text = (await c.get("/metrics")).text
+    declared, _ = exposed_names(text)
+    fleet_names = {
+        name
+        for _, expr in dashboard_exprs(json.loads(DASHBOARD.read_text()))
+        for name in metric_names(expr)
+        if name.startswith("kvsidecar_fleet_")
+    }
+    assert len(fleet_names) >= 5  # the Fleet row's series
+    assert fleet_names <= declared, sorted(fleet_names - declared)
 
 
 @pytest.fixture
