@@ -198,6 +198,24 @@ def _route(
     )
 
 
+async def _routed(
+    coordinator: Coordinator,
+    router: FleetRouter | None,
+    call: Call,
+    action: str,
+    serve: Callable[[], Awaitable[dict[str, Any]]],
+    purpose: str | None,
+) -> dict[str, Any] | Response:
+    """An acquire or a restore: served here on a single host; in fleet mode where the session belongs
+    (kvsidecar.fleet.routing), this host's answer or another's."""
+    if router is None:
+        return await serve()
+    body, session_id = call.body_as(AcquireBody), call.params["session_id"]
+    key, server = coordinator.session_key(session_id, body.provider, body.model, purpose)
+    path = f"/v1/sessions/{segment(session_id)}/{action}"
+    return await router.acquire(key, server, path, body.model_dump(exclude_none=True), call.hop, serve)
+
+
 def _hook_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
     async def healthz(_: Call) -> dict[str, str]:
         """Liveness: no token needed."""
@@ -214,12 +232,7 @@ def _hook_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
             )
             return result.to_dict()
 
-        router = fleet()
-        if router is None:
-            return await serve()
-        key, server = coordinator.session_key(session_id, body.provider, body.model, body.purpose)
-        path = f"/v1/sessions/{segment(session_id)}/acquire"
-        return await router.acquire(key, server, path, body.model_dump(exclude_none=True), call.hop, serve)
+        return await _routed(coordinator, fleet(), call, "acquire", serve, body.purpose)
 
     async def acquire_auxiliary(call: Call) -> dict[str, Any]:
         """An auxiliary request with no session (titles, compaction): it never becomes a session's state."""
@@ -311,12 +324,7 @@ def _session_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
             out.pop("lease_id", None)
             return out
 
-        router = fleet()
-        if router is None:
-            return await serve()
-        key, server = coordinator.session_key(session_id, body.provider, body.model, None)
-        path = f"/v1/sessions/{segment(session_id)}/restore"
-        return await router.acquire(key, server, path, body.model_dump(exclude_none=True), call.hop, serve)
+        return await _routed(coordinator, fleet(), call, "restore", serve, None)  # purpose ignored
 
     async def invalidate(call: Call) -> dict[str, Any]:
         """Mark the session's snapshots invalid (retention deletes them)."""

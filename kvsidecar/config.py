@@ -37,6 +37,7 @@ from pydantic.json_schema import JsonSchemaValue
 
 from kvsidecar.config_errors import ConfigInvalid, config_problems
 from kvsidecar.config_yaml import read_mapping
+from kvsidecar.units.checks import overlaps
 
 DEFAULT_CONFIG_PATH = Path("/etc/kvsidecar/config.yaml")
 
@@ -307,15 +308,6 @@ class FleetConfig(_Model):
         return self.host_id if self.host_id is not None else socket.gethostname()
 
 
-def _nested(a: Path, b: Path) -> bool:
-    """One path inside the other (or the same), as written or where links lead."""
-    for resolve in (os.path.abspath, os.path.realpath):
-        x, y = Path(resolve(a)), Path(resolve(b))
-        if x == y or x in y.parents or y in x.parents:
-            return True
-    return False
-
-
 class LoggingConfig(_Model):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["text", "json"] = "text"
@@ -381,7 +373,7 @@ class Config(_Model):
             others = [("state_dir", self.state_dir)]
             others += [(f"servers.{n}.snapshot_dir", s.snapshot_dir) for n, s in self.servers.items()]
             for key, path in others:
-                if _nested(shared, path):
+                if overlaps(os.path.abspath(shared), os.path.abspath(path)):
                     out.append(f"fleet.shared_dir: must be apart from {key} (neither inside the other)")
         return out
 

@@ -69,7 +69,7 @@ from kvsidecar.errors import (
 from kvsidecar.listener import Limits, ListenerState
 from kvsidecar.proxy_answers import error_answer, kv_headers, openai_error
 from kvsidecar.proxy_forward import Forwarder, Outbound, Release, hop_by_hop, lifespan
-from kvsidecar.router import HOP_HEADER, ClientGone, read_body, refuse
+from kvsidecar.router import HOP_HEADER, ClientGone, hop_count, read_body, refuse
 from kvsidecar.store.naming import validate_session_id
 from kvsidecar.upstream import Upstream, UpstreamError, UpstreamTimeout
 
@@ -319,9 +319,7 @@ class Proxy:
         here (it belongs here, or the other host could not be reached: then the session is taken over)."""
         if call.session is None or self.provider is None:
             return False
-        headers = dict(scope.get("headers", []))
-        raw_hop = headers.get(HOP_HEADER.lower().encode(), b"")
-        hop = int(raw_hop) if len(raw_hop) == 1 and raw_hop.isdigit() else 0
+        hop = hop_count(dict(scope.get("headers", [])))
         key, server = self.coordinator.session_key(call.session, self.provider, self._model_label(call), None)
         if key is None or server is None:
             return False

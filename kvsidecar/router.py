@@ -212,8 +212,9 @@ _PARAM = re.compile(r"\{(\w+)\}")
 HOP_HEADER = "X-KV-Fleet-Hop"
 
 
-def _hop(headers: dict[bytes, bytes]) -> int:
-    """The fleet hop count a peer set (one digit; anything else counts as none)."""
+def hop_count(headers: dict[bytes, bytes]) -> int:
+    """The fleet hop count a peer set (one digit; anything else counts as none): the hook API's and the
+    proxy's reading of X-KV-Fleet-Hop."""
     raw = headers.get(HOP_HEADER.lower().encode(), b"")
     return int(raw) if len(raw) == 1 and raw.isdigit() else 0
 
@@ -322,7 +323,7 @@ class Router:
             body = await read_body(receive, self.max_bytes)
         except ClientGone:
             return  # nobody to answer
-        response = await self._respond(scope, matched, body, _hop(headers))
+        response = await self._respond(scope, matched, body, hop_count(headers))
         await response(scope, receive, send)
 
     async def _respond(

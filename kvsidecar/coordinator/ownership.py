@@ -58,7 +58,6 @@ class KeyOwnership:
         self.sessions = sessions
         self.servers = servers
         self.gate: KeyGate = LocalGate()
-        self.forgotten = 0  # stale local copies dropped (status)
 
     async def claim(self, key: str, *, force: bool = False, keep: bool = False) -> Claim:
         """The gate's answer, after dropping what this host holds of `key` if the answer says it is stale
@@ -89,7 +88,6 @@ class KeyOwnership:
             dropped.append("unsaved turns")
         await asyncio.to_thread(self.store.reload, key)
         if dropped:
-            self.forgotten += 1
             event(
                 log, logging.INFO, "kv.fleet.stale_copy_dropped", snapshot=key[:8], dropped="+".join(dropped)
             )

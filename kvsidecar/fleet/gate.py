@@ -21,17 +21,14 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from redis.exceptions import RedisError
-
 from kvsidecar.coordinator.ownership import Claim
 from kvsidecar.errors import KvError
+from kvsidecar.fleet.agent import DOWN
 from kvsidecar.logs import event
 from kvsidecar.store.fence import FenceFiles
 
 if TYPE_CHECKING:
     from kvsidecar.fleet.agent import FleetAgent
-
-DOWN = (RedisError, OSError, asyncio.TimeoutError)  # as in kvsidecar.fleet.agent
 
 log = logging.getLogger("kvsidecar.fleet")
 

@@ -30,8 +30,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from kvsidecar.config import HOST_ID
+
 RECORD_VERSION = 1
-HOST_ID = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")  # as kvsidecar.config's
 T = TypeVar("T")
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +33,7 @@ from starlette.responses import Response
 from kvsidecar.client_wire import segment
 from kvsidecar.coordinator.ownership import Claim
 from kvsidecar.errors import KvError, LeaseNotFound, NotFound
-from kvsidecar.fleet.gate import DOWN
+from kvsidecar.fleet.agent import DOWN
 from kvsidecar.fleet.plane import HostRecord, session_hash
 from kvsidecar.logs import event
 from kvsidecar.router import HOP_HEADER
@@ -71,8 +70,6 @@ class FleetRouter:
         timeout = httpx.Timeout(agent.settings.forward_timeout_s, connect=agent.op_timeout_s)
         self.http = httpx.AsyncClient(headers=headers, timeout=timeout, trust_env=False)
         self.placed: dict[str, tuple[float, int]] = {}  # host -> (heartbeat seen, placements since)
-        self.forwarded = 0
-        self.taken_over = 0  # sessions taken from a host that could not be reached
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -143,7 +140,6 @@ class FleetRouter:
         record = self._live().get(host_id)
         if record is None:
             raise httpx.ConnectError(f"host {host_id} is not live")
-        self.forwarded += 1
         request = self.http.request(
             method, record.advertise_url.rstrip("/") + path, json=body, headers={HOP_HEADER: str(hop + 1)}
         )
@@ -228,7 +224,6 @@ class FleetRouter:
         await self._take_over(key, host_id, exc)
 
     async def _take_over(self, key: str, host_id: str, exc: BaseException) -> Claim:
-        self.taken_over += 1
         event(
             log,
             logging.WARNING,
@@ -316,9 +311,6 @@ class FleetRouter:
         if not isinstance(data, dict):
             raise NotFound(f"host {host_id}: not an object")
         return data
-
-    def view(self) -> dict[str, Any]:
-        return {"forwarded": self.forwarded, "taken_over": self.taken_over, "at": time.time()}
 
 
 def _count(value: object) -> int:

@@ -142,12 +142,13 @@ def nested_problems(state_dir: str, snapshot_dirs: dict[str, str]) -> list[PathP
     for i, (what, path) in enumerate(dirs):
         for other_what, other in dirs[i + 1 :]:
             equal_ok = i > 0  # two servers sharing one directory is the store's business
-            if _overlap(path, other, equal_ok=equal_ok):
+            if overlaps(path, other, equal_ok=equal_ok):
                 out.append(PathProblem("NESTED", what, path, f"{other_what} {other}"))
     return out
 
 
-def _overlap(a: str, b: str, *, equal_ok: bool) -> bool:
+def overlaps(a: str, b: str, *, equal_ok: bool = False) -> bool:
+    """Equal (unless `equal_ok`) or either inside the other, as written or where links lead."""
     for view in (os.path.normpath, os.path.realpath):
         va, vb = view(a), view(b)
         if va == vb and not equal_ok:

@@ -151,14 +151,18 @@ async def test_redis_hung_killed_and_restarted_under_traffic(
     assert families["kvsidecar_fleet_redis_up"] == 1 and families["kvsidecar_fleet_leader"] == 1
 
 
-async def scrape(h: Harness) -> dict[str, float]:
+async def metrics_text(h: Harness) -> str:
     app = create_app(h.coordinator, token=TOKEN)
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app),
         base_url="http://127.0.0.1:8377",
         headers={"Authorization": f"Bearer {TOKEN}"},
     ) as c:
-        text = (await c.get("/metrics")).text
+        return (await c.get("/metrics")).text
+
+
+async def scrape(h: Harness) -> dict[str, float]:
+    text = await metrics_text(h)
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert naming_problems(families, text) == []
     return {
@@ -182,14 +186,7 @@ async def test_status_has_a_fleet_section_that_matches_its_model(start_host: Any
 async def test_every_fleet_metric_of_the_dashboard_exists_in_fleet_mode(start_host: Any) -> None:
     h, agent = await start_host("h1")
     await eventually(lambda: agent.heartbeats >= 1, what="a heartbeat")
-    app = create_app(h.coordinator, token=TOKEN)
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app),
-        base_url="http://127.0.0.1:8377",
-        headers={"Authorization": f"Bearer {TOKEN}"},
-    ) as c:
-        text = (await c.get("/metrics")).text
-    declared, _ = exposed_names(text)
+    declared, _ = exposed_names(await metrics_text(h))
     fleet_names = {
         name
         for _, expr in dashboard_exprs(json.loads(DASHBOARD.read_text()))

@@ -38,6 +38,20 @@ from tests.unit.test_fleet_fencing import Host, key_of, manifest_bytes, start_ho
 __all__ = ["start_host"]  # the fixture, shared with test_fleet_fencing
 
 
+async def purge_everywhere(router: FleetRouter, host: Host, *, every_host: bool = False) -> dict[str, Any]:
+    """DELETE /v1/sessions/A through `router`'s fan-out, served on `host` (every_host: as the route asks)."""
+    return await router.everywhere(
+        "A",
+        "DELETE",
+        "/v1/sessions/A",
+        None,
+        0,
+        lambda: host.coordinator.purge("A"),
+        ("purged", "bytes_freed"),
+        every_host=every_host,
+    )
+
+
 @contextmanager
 def silent_listener() -> Iterator[str]:
     """A URL whose kernel completes the TCP handshake and then nothing ever answers: a SIGSTOPped host."""
@@ -128,15 +142,7 @@ async def test_a_purge_deletes_a_session_that_only_the_shared_directory_still_kn
     await eventually(lambda: "h2" not in h1.agent.hosts, what="h2 gone from h1's view")
     router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
     try:
-        answer: dict[str, Any] | str = await router.everywhere(
-            "A",
-            "DELETE",
-            "/v1/sessions/A",
-            None,
-            0,
-            lambda: h1.coordinator.purge("A"),
-            ("purged", "bytes_freed"),
-        )
+        answer: dict[str, Any] | str = await purge_everywhere(router, h1)
     except NotFound as exc:
         answer = f"404 {exc.message}"
     finally:
@@ -162,18 +168,7 @@ async def test_a_purge_that_deleted_nothing_does_not_report_the_session_purged(
         await fake_peer(h1, "h9", url, ttl_ms=1500)  # h9 stops heartbeating now
         await h1.agent.client.set(f"t:owner:{k}", f"h9|{10**15}", px=60_000)  # h9 took A, then stopped
         try:
-            answer = await asyncio.wait_for(
-                router.everywhere(
-                    "A",
-                    "DELETE",
-                    "/v1/sessions/A",
-                    None,
-                    0,
-                    lambda: h1.coordinator.purge("A"),
-                    ("purged", "bytes_freed"),
-                ),
-                timeout=15,
-            )
+            answer = await asyncio.wait_for(purge_everywhere(router, h1), timeout=15)
         finally:
             await router.aclose()
     kept = manifest_bytes(tmp_path, k) is not None

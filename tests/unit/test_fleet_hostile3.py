@@ -21,7 +21,7 @@ from kvsidecar.proxy import Proxy
 from kvsidecar.store.saving import SavePlan
 from tests.fleet_helpers import eventually
 from tests.unit.test_fleet_fencing import Host, key_of, manifest_bytes, start_host
-from tests.unit.test_fleet_hostile2 import fake_peer, silent_listener
+from tests.unit.test_fleet_hostile2 import fake_peer, purge_everywhere, silent_listener
 
 __all__ = ["start_host"]  # the fixture, shared with test_fleet_fencing
 
@@ -123,16 +123,8 @@ async def test_a_purge_reaches_the_live_host_that_owns_a_session_no_slot_holds(
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     try:
         await eventually(lambda: server.started, what="h2's hook API")
-        answer: dict[str, Any] | str = await r1.everywhere(
-            "A",
-            "DELETE",
-            "/v1/sessions/A",
-            None,
-            0,
-            lambda: h1.coordinator.purge("A"),
-            ("purged", "bytes_freed"),
-            every_host=True,  # what the hook API's DELETE (and invalidate) route asks for
-        )
+        # every_host: what the hook API's DELETE (and invalidate) route asks for
+        answer: dict[str, Any] | str = await purge_everywhere(r1, h1, every_host=True)
     except NotFound as exc:
         answer = f"404 {exc.message}"
     finally:
