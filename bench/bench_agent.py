@@ -13,6 +13,8 @@ Policies, each on its own fresh llama-server (and daemon) with the same sessions
 
   save-before-evict  kvsidecar, `checkpoint.policy: save-before-evict` (the behaviour before issue 15)
   cost-aware         kvsidecar, `checkpoint.policy: cost-aware` (skipped if this build's config refuses it)
+  cost-aware-busy    the same with `checkpoint.clean_ahead_while_busy: true` (the opt-in: a background save
+                     may stall the other slot's stream); run only where there is another slot (--parallel 2)
   cache-ram          no kvsidecar: llama-server's own host-memory prompt cache (`--cache-ram 8192`)
   cold               no kvsidecar, `--cache-ram 0`: every switch recomputes the whole history
 
@@ -89,8 +91,9 @@ WORKLOADS: dict[str, tuple[int, bool]] = {  # name -> (llama-server --parallel, 
     "zero-1slot": (1, False),
     "think-2slots": (2, True),
 }
-POLICIES = ("save-before-evict", "cost-aware", "cache-ram", "cold")
-KV_POLICIES = ("save-before-evict", "cost-aware")
+POLICIES = ("save-before-evict", "cost-aware", "cost-aware-busy", "cache-ram", "cold")
+KV_POLICIES = ("save-before-evict", "cost-aware", "cost-aware-busy")
+QUEUED_MS = 50.0  # a switch that waited longer than this for other sessions' calls found the server busy
 CACHE_RAM_MIB = 8192  # llama-server's default, stated explicitly
 
 
@@ -496,11 +499,14 @@ def policy_config(policy: str) -> dict[str, Any] | None:
     """The checkpoint section for a kvsidecar policy, or None if this build's config does not know it."""
     if "policy" not in CheckpointConfig.model_fields:
         return {} if policy == "save-before-evict" else None  # before issue 15 that was the only behaviour
+    section: dict[str, Any] = {"policy": policy}
+    if policy == "cost-aware-busy":
+        section = {"policy": "cost-aware", "clean_ahead_while_busy": True}
     try:
-        config_from_mapping({"checkpoint": {"policy": policy}})
+        config_from_mapping({"checkpoint": section})
     except ConfigError:
         return None
-    return {"policy": policy}
+    return section
 
 
 async def run_kvsidecar(
@@ -662,6 +668,13 @@ def save_intervals(events: list[dict[str, Any]], t0: float, t1: float) -> list[d
             rec = open_.pop(session) | {"end": e["at"], "outcome": name.rsplit(".", 1)[1]}
             rec["bytes"], rec["save_ms"] = e.get("bytes"), e.get("save_ms")
             rec["server_ms"] = e.get("server_ms")  # llama-server's own save_ms, if the daemon logs it
+            # llama-server's loop is held by the slot save call alone (`slot_ms`), not by the checksum and
+            # manifest after it; a switch's save commits while the next session restores, so only that call
+            # is on the switch's path (a background save holds its slot to the end: a waiter waits for all)
+            slot_ms = e.get("slot_ms")
+            stall_end = rec["end"] if slot_ms is None else min(rec["end"], rec["start"] + slot_ms / 1000)
+            rec["stall_end"] = stall_end
+            rec["path_end"] = stall_end if rec["trigger"] == "switch" else rec["end"]
             if rec["end"] >= t0 and rec["start"] <= t1:
                 out.append(rec)
     return out
@@ -721,7 +734,7 @@ def attribute(
     for a background save of its own session."""
     listed = {a.split(" ", 1)[1] for a in turn.actions if a.startswith("save ")}
     evict = [s for s in saves if s["trigger"] == "switch" and s["session"] in listed]
-    evict = [s for s in evict if overlap(turn.t_ready, turn.t_acquired, s["start"], s["end"]) > 0]
+    evict = [s for s in evict if overlap(turn.t_ready, turn.t_acquired, s["start"], s["path_end"]) > 0]
     others = [s for s in saves if s["trigger"] != "switch"]
     # when the slot was handed to this call: its eviction save began, or else its switch was logged
     switch = [
@@ -729,7 +742,7 @@ def attribute(
     ]
     granted = min([s["start"] for s in evict] + switch[-1:]) if (evict or switch) else None
     restore = (turn.restore_ms or 0.0) / 1000
-    evict_s = sum(overlap(turn.t_ready, turn.t_acquired, s["start"], s["end"]) for s in evict)
+    evict_s = sum(overlap(turn.t_ready, turn.t_acquired, s["start"], s["path_end"]) for s in evict)
     bg = [(s, overlap(turn.t_ready, turn.t_acquired, s["start"], s["end"])) for s in others]
     bg_s = sum(o for _, o in bg)
     own_s = sum(o for s, o in bg if s["session"] == mine)
@@ -798,9 +811,9 @@ def summarise(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]
     sw = [r for r in rows if r["switched"]]
     m, n = run["metrics"], max(1, len(rows))
     saves = run["saves"]
-    save_spans = [(s["start"], s["end"]) for s in saves]
+    save_spans = [(s["start"], s.get("stall_end", s["end"])) for s in saves]
     stalled_other = sum(
-        overlap(r["t_acquired"], r["t_end"], s["start"], s["end"])
+        overlap(r["t_acquired"], r["t_end"], s["start"], s.get("stall_end", s["end"]))
         for s in saves
         for r in rows
         if short_id(r["session"]) != s["session"]
@@ -824,6 +837,10 @@ def summarise(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]
         "calls": len(rows),
         "switches": len(sw),
         "switches_with_save_on_path": sum(1 for r in sw if r["save_ms"] > 0.5),
+        # the switches that found the server free (no other session's call to wait for): the ones a
+        # background save can serve without skipping the save; a queued switch must pay its victim's save
+        "unqueued_switches": sum(1 for r in sw if r["wait_ms"] <= QUEUED_MS),
+        "unqueued_with_save_on_path": sum(1 for r in sw if r["wait_ms"] <= QUEUED_MS and r["save_ms"] > 0.5),
         "p50": {k: p50(v) for k, v in col.items()},
         "ttft_ms": summary(col["ttft_ms"]) if col["ttft_ms"] else None,
         "all_calls_ttft_p50_ms": p50([r["ttft_ms"] for r in rows]),
@@ -960,6 +977,8 @@ def run_all(p: Params, binary: Path, model: Path, work: Path) -> tuple[dict[str,
         for policy in p.policies:
             if policy == "cold" and workload not in p.cold_workloads:
                 continue
+            if policy == "cost-aware-busy" and WORKLOADS[workload][0] == 1:
+                continue  # one slot: no other slot to stall, the same as cost-aware
             print(f"{workload} / {policy} ...", file=sys.stderr)
             run = run_one(binary, model, work, seeds[WORKLOADS[workload][0]], p, workload, policy)
             runs.append(run)

@@ -150,7 +150,8 @@ class CheckpointConfig(_Model):
     # every dirty slot is saved at the switch (the behaviour before issue 15).
     policy: Literal["cost-aware", "save-before-evict"] = "cost-aware"
     # A background save blocks the whole llama-server (its slot actions run in its main loop): by default
-    # one starts only when no other slot of that server is working.
+    # one starts only when no other slot of that server is working; true trades that stall in the other
+    # slots' streams for more switches that find their slot clean.
     clean_ahead_while_busy: bool = False
 
 

@@ -144,7 +144,7 @@ class Metrics:
         self.clean_ahead = Counter(
             PREFIX + "clean_ahead",
             "Background saves of an idle likely-next victim, by result (saved, busy, not_victim, "
-            "superseded, too_long)",
+            "no_switch, superseded, too_long)",
             ["server", "result"],
             registry=r,
         )

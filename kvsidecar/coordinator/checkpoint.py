@@ -17,7 +17,10 @@ needs is unknown, so its worst case is today's behaviour:
   once when its recent think times are more than twice its save), and
   while its server is idle (no slot working, nobody waiting) and its slot is the one the next new session
   would take, the slot is saved in the background; the switch then finds it clean. A `turn_end` hint
-  starts the check at once.
+  starts the check at once. A check that finds the server busy is retried whenever a slot is given back
+  and the server is idle (`given_back`). As many slots are kept clean as switches are coming
+  (`switches_coming`: the sessions that asked lately beyond the server's slots), none when every active
+  session keeps its own slot.
 - *skip a save*: at a switch, when the slot still extends the session's newest saved generation (every
   turn since reused all of it: append-only history) and recomputing the tokens since is predicted cheaper
   than writing the whole slot, nothing is saved; the next restore brings the older generation back and
@@ -34,7 +37,7 @@ from typing import Any
 
 from kvsidecar.config import Config
 from kvsidecar.coordinator.costs import CostModel, median
-from kvsidecar.coordinator.pool import SlotPool, owner_slot
+from kvsidecar.coordinator.pool import CLEANING, SlotPool, aux_slot_id, owner_slot
 from kvsidecar.coordinator.save import Saver
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
@@ -48,7 +51,11 @@ _THINK_SAMPLES_NEEDED = 2
 _SERVER_THINK_SAMPLES_NEEDED = 4
 
 
-_PROBE_KEY = "\0next-session"  # matches no session: pool.select() with it picks the next victim
+_DEMAND_WINDOW_S = 60.0
+_DEMAND_THINKS = 4
+_DEMAND_KEYS_MAX = 4096  # more sessions than this lately: as good as "always a switch coming"
+_AUX_DEMAND_KEY = "\0auxiliary"  # matches no session key
+_CLEANING_WAIT_FACTOR = 1.5  # a new session waits for a slot being cleaned up to 1.5x its predicted save
 
 
 class CheckpointPolicy:
@@ -77,6 +84,7 @@ class CheckpointPolicy:
         self.spawn = spawn
         self.monotonic = monotonic
         self.active = False  # timers are armed only between start() and close()
+        self._cleaning: set[str] = set()  # keys with a clean ahead started by given_back, not yet done
 
     async def evict(self, srv: ServerRuntime, slot: Slot, result: AcquireResult) -> str | None:
         """The slot goes to another session (or an auxiliary request): checkpoint its owner first."""
@@ -146,7 +154,7 @@ class CheckpointPolicy:
         }.get(type_, False)
         if not wanted and type_ == "turn_end" and self.config.checkpoint.policy == "cost-aware":
             # the harness says the model is done for now: clean early, without holding the hint's caller
-            self.spawn(self.clean_ahead(rt))
+            self.spawn(self._clean_ahead_quietly(rt))
             return False
         return bool(wanted) and await self.checkpoint(rt, type_)
 
@@ -187,6 +195,7 @@ class CheckpointPolicy:
     # clean ahead ---------------------------------------------------------------------------------------
     def _arm_clean_ahead(self, rt: SessionRuntime) -> None:
         rt.cancel_clean_ahead()
+        rt.clean_due_at = None
         if self.config.checkpoint.policy != "cost-aware" or not self.active or rt.context_tokens is None:
             return
         save_s = self.costs.server(rt.identity.server).save_s(rt.context_tokens)
@@ -200,6 +209,7 @@ class CheckpointPolicy:
         if think is not None and think > 2 * save_s:
             delay_s = _PROMPT_CLEAN_AHEAD_S
         key, revision = rt.key, rt.dirty_revision
+        rt.clean_due_at = self.monotonic() + delay_s
         rt.clean_timer = asyncio.get_running_loop().call_later(
             delay_s, lambda: self.spawn(self._clean_ahead_timer(key, revision))
         )
@@ -220,27 +230,121 @@ class CheckpointPolicy:
             with contextlib.suppress(KvError):
                 await self.clean_ahead(rt)
 
+    def given_back(self, srv: ServerRuntime) -> None:
+        """A slot was given back and the waiters served: if the server may now take a background save, clean
+        the next victim whose clean ahead is due. A check that came while the server was busy (another slot
+        working, say) is retried here instead of being lost until the switch pays for it. One at a time: the
+        save's own give-back comes here again for the next one."""
+        cp = self.config.checkpoint
+        if not self.active or cp.policy != "cost-aware" or not cp.on_switch or srv.waiters:
+            return
+        if not self.config.checkpoint.clean_ahead_while_busy and any(not s.free for s in srv.slots.values()):
+            return
+        now = self.monotonic()
+        for slot in self.next_victims(srv):
+            rt = self.sessions.get(slot.owner)
+            if rt is None or rt.clean_timer is not None or rt.clean_due_at is None:
+                continue  # its own timer is still to come (and will check then), or a request voided it
+            if rt.key not in self._cleaning and now >= rt.clean_due_at:
+                self._cleaning.add(rt.key)
+                self.spawn(self._clean_ahead_quietly(rt))
+                return
+
+    async def _clean_ahead_quietly(self, rt: SessionRuntime) -> None:
+        try:
+            with contextlib.suppress(KvError):  # strict mode raises; a background save has no caller
+                await self.clean_ahead(rt)
+        finally:
+            self._cleaning.discard(rt.key)
+
+    def note_request(self, srv: ServerRuntime, key: str | None) -> None:
+        """A session (None: an auxiliary request, which takes a session's slot unless one is reserved for
+        them) asked this server for a slot. Recency order, oldest first; bounded whatever ids clients send."""
+        if key is None:
+            if aux_slot_id(srv) is not None:
+                return
+            key = _AUX_DEMAND_KEY
+        recent = srv.requested_at
+        recent[key] = self.monotonic()
+        recent.move_to_end(key)
+        while len(recent) > _DEMAND_KEYS_MAX:
+            recent.popitem(last=False)
+        self._prune(srv)
+
+    def _prune(self, srv: ServerRuntime) -> None:
+        think = median(self.costs.server(srv.name).think_s)
+        window = max(_DEMAND_WINDOW_S, _DEMAND_THINKS * think) if think is not None else _DEMAND_WINDOW_S
+        cutoff = self.monotonic() - window
+        recent = srv.requested_at
+        while recent and next(iter(recent.values())) < cutoff:
+            recent.popitem(last=False)
+
+    def switches_coming(self, srv: ServerRuntime) -> int:
+        """How many more sessions asked this server for a slot lately than it has slots for them: the slots
+        that will change hands, so the number worth keeping clean. At 0 (every active session keeps its own
+        slot) a background save is a stall of the other slots for nothing; the idle timer still saves a
+        session that went quiet. Lately: the last minute, or four of the server's median think times.
+        Auxiliary requests count as one more session when no slot is reserved for them."""
+        self._prune(srv)
+        aux = aux_slot_id(srv)
+        return len(srv.requested_at) - sum(1 for i in srv.slots if i != aux)
+
+    def next_victims(self, srv: ServerRuntime) -> list[Slot]:
+        """The dirty slots the coming switches will take, in the order they will take them (least recently
+        used first): as many as the switches coming, less the slots already empty, clean or being cleaned."""
+        coming = self.switches_coming(srv)
+        if coming <= 0:
+            return []
+        aux = aux_slot_id(srv)
+        ready, dirty = 0, []
+        for s in srv.slots.values():
+            if s.id == aux:
+                continue
+            if s.holder == CLEANING:
+                ready += 1
+            elif s.free and s.claimed_by is None:
+                if s.owner is not None and self.sessions.is_dirty(s.owner):
+                    dirty.append(s)
+                else:
+                    ready += 1
+        dirty.sort(key=lambda s: s.last_used_at)
+        return dirty[: max(0, coming - ready)]
+
     async def clean_ahead(self, rt: SessionRuntime) -> bool:
         """Save a dirty, idle session in the background if its server is idle and it is the next victim."""
         srv = self.servers.get(rt.identity.server)
         slot = owner_slot(srv, rt.key) if srv else None
-        cost_aware = self.config.checkpoint.policy == "cost-aware"  # SIGHUP may have turned it off
+        cp = self.config.checkpoint
+        cost_aware = cp.policy == "cost-aware" and cp.on_switch  # SIGHUP may have turned it off
         if srv is None or slot is None or not rt.dirty or not self.active or not cost_aware:
             return False
         save_s = self.costs.server(srv.name).save_s(rt.context_tokens or 0)
         wait_s = self.acquire_timeout_s if self.acquire_timeout_s is not None else srv.config.slot_wait_s
         if save_s is None or save_s > wait_s / 2:
             # the session's own request, arriving during the save, must never time out waiting for it
+            rt.clean_due_at = None
             self.telemetry.clean_ahead(srv.name, rt, "too_long")
+            return False
+        if self.switches_coming(srv) <= 0:
+            self.telemetry.clean_ahead(srv.name, rt, "no_switch")
             return False
         busy = any(isinstance(s.holder, Lease | str) for s in srv.slots.values() if s is not slot)
         if not slot.free or srv.waiters or (busy and not self.config.checkpoint.clean_ahead_while_busy):
             self.telemetry.clean_ahead(srv.name, rt, "busy")
             return False
-        if self.pool.select(srv, _PROBE_KEY) is not slot:
+        if slot not in self.next_victims(srv):
             self.telemetry.clean_ahead(srv.name, rt, "not_victim")
             return False
-        saved = await self.checkpoint(rt, "clean_ahead", only_revision=rt.dirty_revision)
+        rt.clean_due_at = None  # one background save attempt per revision (its next release re-arms it)
+        budget_s = _CLEANING_WAIT_FACTOR * save_s + _MIN_CLEAN_AHEAD_S
+        slot.cleaning_until = self.monotonic() + budget_s
+        # past the budget, a new session waiting for this slot takes another: dispatch then re-decides
+        overran = asyncio.get_running_loop().call_later(budget_s, self.pool.dispatch, srv)
+        try:
+            saved = await self.checkpoint(rt, CLEANING, only_revision=rt.dirty_revision)
+        finally:
+            overran.cancel()
+            slot.cleaning_until = None
         self.telemetry.clean_ahead(srv.name, rt, "saved" if saved else "superseded")
         return saved
 

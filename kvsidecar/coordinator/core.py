@@ -129,6 +129,7 @@ class Coordinator:
             monotonic=monotonic,
             acquire_timeout_s=acquire_timeout_s,
         )
+        self.pool.on_given_back = self.checkpoints.given_back
         self.pending_restart: list[str] = []  # restart-only keys a SIGHUP found changed (status shows them)
         self.fleet_view: Callable[[], dict[str, Any]] | None = None  # fleet mode's part of status()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -160,6 +161,7 @@ class Coordinator:
         if self._closing:
             return
         self._closing = True
+        self.checkpoints.close()  # no timer or background save starts from here on
         if self.config.checkpoint.on_shutdown:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
@@ -260,6 +262,11 @@ class Coordinator:
             outcome=Outcome.COLD,
         )
         timeout = self.acquire_timeout_s if self.acquire_timeout_s is not None else srv.config.slot_wait_s
+        self.checkpoints.note_request(srv, identity.key if identity else None)
+        if identity is not None:
+            known = self.sessions.get(identity.key)
+            if known is not None:
+                known.clean_due_at = None  # its own request: a background save due before is moot now
         slot = await self.pool.take(srv, lease.key, lease, timeout)
         try:
             if identity is None:
@@ -290,6 +297,10 @@ class Coordinator:
         )
         self.leases.add(lease, self.config.api.lease_ttl_s)
         self.telemetry.acquired(srv.name, slot.id, result.outcome, lease.session_id)
+        if result.evicted is not None:
+            # the slot changed hands: a request of the evicted session that waited for it as its own now
+            # takes another free slot instead of waiting for this call to end
+            self.pool.dispatch(srv)
         return result
 
     async def _prepare_aux(self, srv: ServerRuntime, slot: Slot) -> AcquireResult:

@@ -20,6 +20,8 @@ from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.state import Lease, Slot
 from kvsidecar.errors import ShuttingDown, SlotBusy
 
+CLEANING = "clean_ahead"  # the holder of a slot being saved ahead of its switch (checkpoint.py)
+
 
 class SlotPool:
     def __init__(self, *, is_dirty: Callable[[str], bool], monotonic: Callable[[], float]) -> None:
@@ -27,6 +29,8 @@ class SlotPool:
         self.monotonic = monotonic
         self.preparing: set[str] = set()  # lease ids holding a slot while it is being prepared
         self.closing = False
+        # Told after every give-back, once waiters have been served (the checkpoint policy's idle check).
+        self.on_given_back: Callable[[ServerRuntime], None] | None = None
 
     async def take(self, srv: ServerRuntime, key: str | None, holder: Lease | str, timeout_s: float) -> Slot:
         """Wait in the server's queue for a slot and hold it (KV_SLOT_BUSY past `timeout_s`)."""
@@ -79,6 +83,8 @@ class SlotPool:
         slot.claimed_by = None
         slot.last_used_at = self.monotonic()
         self.dispatch(srv)
+        if self.on_given_back is not None:
+            self.on_given_back(srv)
 
     def wake_all(self, srv: ServerRuntime) -> None:
         """Shutdown: every waiter gives up now (they answer KV_SHUTTING_DOWN)."""
@@ -102,10 +108,25 @@ class SlotPool:
         free = [s for s in slots if s.free and s.id != aux and s.claimed_by is None]
         empty = [s for s in free if s.owner is None]
         clean = [s for s in free if s.owner is not None and not self.is_dirty(s.owner)]
-        for group in (empty, clean, free):
+        for group in (empty, clean):
             if group:
                 return min(group, key=lambda s: s.last_used_at)
-        return None
+        if key is not None and self._cleaning_for_new(srv):
+            # a slot is being saved ahead for the next session: wait for it (its save holds llama-server's
+            # one loop either way) rather than evict another dirty slot and pay a second save
+            return None
+        return min(free, key=lambda s: s.last_used_at) if free else None
+
+    def _cleaning_for_new(self, srv: ServerRuntime) -> bool:
+        """A slot being saved ahead that a new session should wait for: within its predicted time, and not
+        asked for by its own session (which gets it back: a new session waiting for it would then evict
+        another slot anyway)."""
+        now = self.monotonic()
+        cleaning = [s for s in srv.slots.values() if s.holder == CLEANING and (s.cleaning_until or 0.0) > now]
+        if not cleaning:
+            return False
+        queued = {key for key, _holder, _waiter in srv.waiters}
+        return any(s.owner not in queued for s in cleaning)
 
 
 def aux_slot_id(srv: ServerRuntime) -> int | None:

@@ -254,7 +254,16 @@ class Saver:
         )
         self.sessions.apply(rt, SessionEvent.SAVED, resident=slot.owner == rt.key)
         elapsed_ms = (self.monotonic() - started) * 1000
-        self.telemetry.saved(srv.name, rt, trigger, saved.tokens, saved.bytes_written, elapsed_ms)
+        self.telemetry.saved(
+            srv.name,
+            rt,
+            trigger,
+            saved.tokens,
+            saved.bytes_written,
+            elapsed_ms,
+            slot_ms=saved.measured_ms,
+            server_ms=saved.server_ms,
+        )
         self._after_save()
 
     def _after_save(self) -> None:

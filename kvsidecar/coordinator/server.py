@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import select
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +80,8 @@ class ServerRuntime:
         # Requests waiting for a slot, in arrival order: (session key or None, holder, future of the slot).
         # Only the coordinator's _dispatch hands slots to them, on the event loop.
         self.waiters: deque[tuple[str | None, Any, asyncio.Future[Slot]]] = deque()
+        # Session key -> when it last asked for a slot here, oldest first (the checkpoint policy's demand).
+        self.requested_at: OrderedDict[str, float] = OrderedDict()
         first = config.slot_id if config.mode is Mode.SINGLE_SLOT else 0
         self.slots: dict[int, Slot] = {first: Slot(id=first)}
         self._base: RuntimeFingerprint | None = None  # the fingerprint without the canary

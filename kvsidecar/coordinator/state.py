@@ -60,6 +60,9 @@ class SessionRuntime:
     released_at: float | None = None  # monotonic, for the think time between release and next acquire
     think_s: deque[float] = field(default_factory=lambda: deque(maxlen=16))  # its recent think times
     clean_timer: asyncio.TimerHandle | None = None  # a pending clean-ahead check
+    # From when (monotonic) a background save of its current revision may start: the clean-ahead check
+    # runs then, and again whenever its server goes idle after (a check that found it busy is not lost).
+    clean_due_at: float | None = None
     # The commit (checksum + manifest) of a switch's save, still running while the slot's next session
     # restores (save.py `overlap`): the session's own next acquire waits for it.
     pending_commit: asyncio.Task[bool] | None = None
@@ -110,6 +113,9 @@ class Slot:
     holds_aux: bool = False
     last_used_at: float = 0.0
     tokens: int | None = None
+    # While it is saved ahead of its switch: until when (monotonic) a new session waits for it rather than
+    # evict another dirty slot (past that, the save overran its prediction and nobody waits any longer).
+    cleaning_until: float | None = None
 
     @property
     def free(self) -> bool:

@@ -282,8 +282,19 @@ class Telemetry:
         self.metrics.save_failure.labels(server, code).inc()
 
     def saved(
-        self, server: str, rt: SessionRuntime, trigger: str, tokens: int, nbytes: int, ms: float
+        self,
+        server: str,
+        rt: SessionRuntime,
+        trigger: str,
+        tokens: int,
+        nbytes: int,
+        ms: float,
+        *,
+        slot_ms: float,
+        server_ms: float | None,
     ) -> None:
+        """`ms`: the whole save (the slot's save call, then checksum and manifest); `slot_ms`: the save call
+        to llama-server alone, which holds its main loop (`server_ms`: its own figure, when it gives one)."""
         self.metrics.save.labels(server, trigger).inc()
         self.metrics.save_bytes.labels(server).inc(nbytes)
         self.metrics.save_seconds.labels(server).observe(ms / 1000)
@@ -296,6 +307,8 @@ class Telemetry:
             tokens=tokens,
             bytes=nbytes,
             save_ms=round(ms, 1),
+            slot_ms=round(slot_ms, 1),
+            server_ms=None if server_ms is None else round(server_ms, 1),
         )
 
     def think(self, server: str, seconds: float) -> None:

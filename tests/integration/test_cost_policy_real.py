@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
+from kvsidecar.coordinator import checkpoint
 from kvsidecar.coordinator.costs import ServerCosts
 from kvsidecar.coordinator.state import Outcome, SessionRuntime
 from tests.conftest import StartServer
@@ -88,5 +91,47 @@ async def test_own_request_during_its_background_save(start_llama: StartServer, 
         r, _, pn, cn = await h.turn("A")  # arrives while its slot is being saved: waits, then resident
         assert await cleaning
         assert r.outcome is Outcome.RESIDENT and cn > pn > 0  # its own slot, the history reused
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_a_clean_ahead_found_busy_runs_when_the_other_slot_is_given_back(
+    start_llama: StartServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--parallel 2`: A's background save comes due while B's slot works, so it waits (a save would stall
+    B's stream); when B's slot is given back the server is idle, A is cleaned, and the next new session's
+    switch does no save."""
+    server = start_llama(parallel=2, ctx_size=8192)
+    assert server.slot_save_path is not None
+    local = {
+        "base_url": server.base_url,
+        "snapshot_dir": str(server.slot_save_path),
+        "probe_interval_s": 3600,
+        "mode": "managed-slots",
+    }
+    h = await real_harness(server, tmp_path, servers={"local": local}, **COST_AWARE)
+    try:
+        # A's check comes due only once B's call below holds its slot: the tiny model's saves take
+        # milliseconds, so the ski-rental wait would otherwise be its 0.2 s floor and race the next turn
+        monkeypatch.setattr(checkpoint, "_MIN_CLEAN_AHEAD_S", 5.0)
+        for s in ("A", "B", "C", "A", "B"):  # saves measured; A (least recently used) and B resident, dirty
+            await h.turn(s)
+        a = rt_of(h, "A")
+        assert a.clean_timer is not None and a.dirty
+        lease = await h.coordinator.acquire("B", provider="local", model="tiny")
+        assert lease.lease_id is not None
+        h.calls()
+        deadline = asyncio.get_running_loop().time() + 30
+        while a.clean_timer is not None and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)
+        assert a.clean_timer is None and a.dirty and h.calls() == []  # due, but B's slot is working
+        await h.coordinator.release(lease.lease_id, status="aborted")
+        while a.dirty and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        assert not a.dirty and h.calls() == ["save"]
+        r, _, pn, cn = await h.turn("C")
+        assert r.outcome is Outcome.RESTORED and h.calls() == ["restore"]  # the switch paid no save
+        assert r.evicted == a.identity.short and cn > 0 and pn > cn
     finally:
         await h.coordinator.aclose()

@@ -6,13 +6,16 @@ save-before-evict where it does not know (never worse than before)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from kvsidecar.backend.fake import Hold
 from kvsidecar.coordinator.costs import CostModel, ServerCosts
 from kvsidecar.coordinator.state import Outcome, SessionRuntime
+from tests.fleet_helpers import eventually
 from tests.unit.coordinator_helpers import Harness, conversation, start_harness
 
 COST_AWARE = {"policy": "cost-aware", "idle_s": 3600}
@@ -100,6 +103,334 @@ async def test_no_clean_ahead_while_another_slot_works(tmp_path: Path) -> None:
         assert not await h.coordinator.checkpoints.clean_ahead(rt_of(h, "A"))
         assert lease.lease_id is not None
         await h.coordinator.release(lease.lease_id, status="aborted")
+    finally:
+        await h.coordinator.aclose()
+
+
+async def two_slots_a_and_b_dirty(
+    tmp_path: Path, *, failure: dict[str, object] | None = None, **checkpoint: object
+) -> Harness:
+    """Two slots, saves measured; B (newest) and A (least recently used: the next victim) resident, dirty."""
+    h = await start_harness(
+        tmp_path,
+        total_slots=2,
+        servers={"local": {"mode": "managed-slots"}},
+        checkpoint={**COST_AWARE, **checkpoint},
+        **({"failure": failure} if failure else {}),
+    )
+    for s in ("A", "B", "C", "A", "B"):
+        await h.turn(s)
+    return h
+
+
+async def hold(h: Harness, session: str) -> str:
+    """A call of `session` holds its slot: the lease id."""
+    lease = await h.coordinator.acquire(session, provider="local", model="m")
+    assert lease.lease_id is not None
+    return lease.lease_id
+
+
+async def b_works_until_a_is_due(h: Harness) -> str:
+    """B's next call holds its slot until A's clean-ahead check has come due (and found the server busy)."""
+    a = rt_of(h, "A")
+    lease_id = await hold(h, "B")
+    await eventually(lambda: a.clean_timer is None, what="A's check (B works)")
+    return lease_id
+
+
+async def give_back_b(h: Harness, times: int) -> None:
+    """B's calls that fail at once: give-backs that bring no new revision."""
+    for _ in range(times):
+        await h.coordinator.release(await hold(h, "B"), status="aborted")
+
+
+async def test_a_clean_ahead_found_busy_runs_once_the_server_is_idle(tmp_path: Path) -> None:
+    """A check that came due while another slot worked is retried when that slot is given back, not lost
+    until the next switch pays for the save (what left most two-slot switches paying it)."""
+    h = await two_slots_a_and_b_dirty(tmp_path)
+    try:
+        a = rt_of(h, "A")
+        assert a.clean_timer is not None and a.dirty
+        busy = h.coordinator.metrics.clean_ahead.labels("local", "busy")
+        before = busy._value.get()
+        h.calls()
+        lease_id = await b_works_until_a_is_due(h)
+        assert busy._value.get() > before and a.dirty and h.calls() == []  # declined: B works
+        await h.coordinator.release(lease_id, status="aborted")  # the server is idle again
+        await eventually(lambda: not a.dirty, what="A cleaned ahead")
+        assert h.calls() == ["save"]
+        assert h.coordinator.metrics.clean_ahead.labels("local", "saved")._value.get() == 1
+        r, *_ = await h.turn("C")  # the next new session takes A's clean slot
+        assert h.calls() == ["restore"] and r.outcome is Outcome.RESTORED
+        assert r.evicted == a.identity.short
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_an_idle_server_cleans_only_its_next_victim_once_per_revision(tmp_path: Path) -> None:
+    h = await two_slots_a_and_b_dirty(tmp_path)
+    try:
+        a, b = rt_of(h, "A"), rt_of(h, "B")
+        await eventually(lambda: not a.dirty, what="A cleaned ahead")  # its timer: the server was idle
+        await asyncio.sleep(0.5)  # B's check comes due too; A's clean slot is the next victim now
+        assert b.dirty
+        h.calls()
+        await give_back_b(h, 3)  # give-backs that change nothing save nothing
+        assert "save" not in h.calls() and b.dirty
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_as_many_slots_are_cleaned_as_switches_are_coming(tmp_path: Path) -> None:
+    """Four sessions lately on two slots: two switches are coming, so both idle slots are saved ahead, one
+    after the other (three sessions keep one clean: the test above)."""
+    h = await start_harness(
+        tmp_path, total_slots=2, servers={"local": {"mode": "managed-slots"}}, checkpoint=COST_AWARE
+    )
+    try:
+        for s in ("A", "B", "C", "D", "A", "B"):
+            await h.turn(s)
+        a, b = rt_of(h, "A"), rt_of(h, "B")
+        await eventually(lambda: not a.dirty and not b.dirty, what="both slots cleaned ahead")
+        h.calls()
+        r1, *_ = await h.turn("C")
+        r2, *_ = await h.turn("D")
+        assert h.calls() == ["restore", "restore"]  # neither switch paid a save
+        assert {r1.evicted, r2.evicted} == {a.identity.short, b.identity.short}
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_clean_ahead_while_busy_saves_with_another_slot_working(tmp_path: Path) -> None:
+    """The opt-in: a background save may stall the other slot's stream (llama-server runs slot actions in
+    its one main loop), in exchange for switches that find the slot clean."""
+    h = await two_slots_a_and_b_dirty(tmp_path, clean_ahead_while_busy=True)
+    try:
+        a = rt_of(h, "A")
+        lease = await h.coordinator.acquire("B", provider="local", model="m")
+        assert lease.lease_id is not None
+        await eventually(lambda: not a.dirty, what="A cleaned ahead while B works")
+        assert h.coordinator.servers["local"].slots[lease.slot_id or 0].holder is not None  # B still works
+        await h.coordinator.release(lease.lease_id, status="aborted")
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_sessions_that_fit_in_the_slots_are_not_saved_ahead(tmp_path: Path) -> None:
+    """Two agents on two slots never switch: a background save would only stall the other one's stream."""
+    h = await start_harness(
+        tmp_path, total_slots=2, servers={"local": {"mode": "managed-slots"}}, checkpoint=COST_AWARE
+    )
+    try:
+        await h.turn("A")
+        await h.turn("B")
+        await h.coordinator.save("A")  # a save measured: the policy has what it needs
+        h.calls()
+        for _ in range(3):
+            for me in ("A", "B"):
+                r = await h.coordinator.acquire(me, provider="local", model="m")
+                assert r.lease_id is not None and r.slot_id is not None
+                h.turns[me] = n = h.turns[me] + 1
+                prompt_n, cache_n = h.fake.infer(r.slot_id, conversation(me, n))
+                await asyncio.sleep(0.25)  # the other one's check comes due while this one works
+                await h.coordinator.release(
+                    r.lease_id, status="ok", prompt_tokens=prompt_n, cached_tokens=cache_n
+                )
+        await asyncio.sleep(0.3)
+        assert "save" not in h.calls()
+        assert h.coordinator.metrics.clean_ahead.labels("local", "no_switch")._value.get() > 0
+        r, *_ = await h.turn("C")  # a third session: now a slot changes hands, and the save is paid
+        assert h.calls()[:1] == ["save"] and r.evicted is not None
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_a_failing_background_save_is_tried_once_per_revision(tmp_path: Path) -> None:
+    h = await two_slots_a_and_b_dirty(tmp_path)
+    try:
+        a, b = rt_of(h, "A"), rt_of(h, "B")
+        a_slot = next(s.id for s in h.coordinator.servers["local"].slots.values() if s.owner == a.key)
+        h.fake.calls.clear()
+        h.fake.fail_next_save(50)
+        await eventually(lambda: a.clean_timer is None, what="A's clean-ahead check")
+        await give_back_b(h, 5)  # none of them tries A's save again
+        await asyncio.sleep(0.1)
+        saves = [c[1] for c in h.fake.calls if c[0] == "save"]
+        assert saves.count(a_slot) == 1 and len(saves) <= 2  # at most one attempt per dirty session
+        assert a.dirty and b.dirty
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_a_failed_request_does_not_start_its_save_at_the_release(h: Harness) -> None:
+    """A check that came due while the session's own request ran is void: a failed request brings no new
+    revision and no re-arm, and the retry an agent sends at once must not queue behind a save."""
+    for s in ("A", "B", "A"):
+        await h.turn(s)
+    a = rt_of(h, "A")
+    r = await h.coordinator.acquire("A", provider="local", model="m")
+    assert r.lease_id is not None
+    await eventually(lambda: a.clean_timer is None, what="A's check (while A works)")
+    h.calls()
+    await h.coordinator.release(r.lease_id, status="error")
+    await asyncio.sleep(0.05)
+    assert "save" not in h.calls() and a.dirty
+
+
+async def test_a_new_session_waits_for_the_slot_being_cleaned(tmp_path: Path) -> None:
+    """It takes the slot saved ahead for it rather than evict the session just released (a second save)."""
+    h = await two_slots_a_and_b_dirty(tmp_path)
+    try:
+        a = rt_of(h, "A")
+        lease_id = await b_works_until_a_is_due(h)
+        held = h.fake.hold("save")
+        await h.coordinator.release(lease_id, status="aborted")  # idle: A's save starts, held
+        await asyncio.wait_for(held.entered.wait(), 5)
+        h.calls()
+        arriving = asyncio.ensure_future(h.turn("C"))
+        await asyncio.sleep(0.05)
+        assert not arriving.done()  # waiting for A's slot, not evicting B's
+        held.release()
+        r, *_ = await arriving
+        assert r.evicted == a.identity.short and "save" not in r.actions[0]
+        assert h.calls() == ["restore"]  # after A's background save C only restores: one save in all
+    finally:
+        await h.coordinator.aclose()
+
+
+async def a_cleaning_held(h: Harness) -> Hold:
+    """B's call ends while A's check is due: A's background save starts and is held there."""
+    lease_id = await b_works_until_a_is_due(h)
+    held = h.fake.hold("save")
+    await h.coordinator.release(lease_id, status="aborted")
+    await asyncio.wait_for(held.entered.wait(), 5)
+    return held
+
+
+async def test_a_sessions_own_request_is_not_starved_by_a_new_session_waiting_for_its_slot(
+    tmp_path: Path,
+) -> None:
+    """C (new) waits for A's slot being cleaned, then A's own request comes: C stops waiting for a slot
+    its session wants back and takes B's; A gets its own slot when the save ends. Neither waits for the
+    other's whole call."""
+    h = await two_slots_a_and_b_dirty(tmp_path)
+    try:
+        held = await a_cleaning_held(h)
+        c = asyncio.ensure_future(h.coordinator.acquire("C", provider="local", model="m"))
+        await asyncio.sleep(0.02)
+        own = asyncio.ensure_future(h.coordinator.acquire("A", provider="local", model="m"))
+        await asyncio.sleep(0.02)
+        held.release()
+        rc = await asyncio.wait_for(c, 5)
+        ra = await asyncio.wait_for(own, 5)  # C still holds its slot: A did not wait for it
+        assert rc.lease_id is not None and ra.lease_id is not None and ra.slot_id != rc.slot_id
+        assert ra.outcome is Outcome.RESIDENT and rc.evicted == rt_of(h, "B").identity.short
+        for lease_id in (rc.lease_id, ra.lease_id):
+            await h.coordinator.release(lease_id, status="aborted")
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_a_new_session_does_not_wait_for_a_slot_its_own_session_asked_for(tmp_path: Path) -> None:
+    """A's own request is first in line for its slot: C would wait for nothing, so it takes B's at once."""
+    h = await two_slots_a_and_b_dirty(tmp_path)
+    try:
+        held = await a_cleaning_held(h)
+        own = asyncio.ensure_future(h.coordinator.acquire("A", provider="local", model="m"))
+        await asyncio.sleep(0.02)
+        rc = await asyncio.wait_for(h.coordinator.acquire("C", provider="local", model="m"), 5)
+        assert not own.done() and rc.evicted == rt_of(h, "B").identity.short
+        held.release()
+        ra = await asyncio.wait_for(own, 5)
+        assert ra.outcome is Outcome.RESIDENT
+        for lease_id in (rc.lease_id, ra.lease_id):
+            assert lease_id is not None
+            await h.coordinator.release(lease_id, status="aborted")
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_a_new_session_stops_waiting_when_the_cleaning_overruns_its_prediction(tmp_path: Path) -> None:
+    """The background save outlasts 1.5x its predicted time (a stuck disk, a slow commit): the waiting
+    session takes the other dirty slot and pays its save rather than time out."""
+    h = await two_slots_a_and_b_dirty(tmp_path)
+    try:
+        held = await a_cleaning_held(h)
+        try:
+            rc = await asyncio.wait_for(h.coordinator.acquire("C", provider="local", model="m"), 5)
+        finally:
+            held.release()
+        assert rc.evicted == rt_of(h, "B").identity.short and rc.actions[0].startswith("save ")
+        assert rc.lease_id is not None
+        await h.coordinator.release(rc.lease_id, status="aborted")
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_demand_is_bounded_and_forgets_sessions_gone_quiet(h: Harness) -> None:
+    """Session ids come from clients: what the policy remembers of them is bounded and expires."""
+    srv = h.coordinator.servers["local"]
+    policy = h.coordinator.checkpoints
+    for i in range(5000):
+        policy.note_request(srv, f"flood-{i}")
+    assert len(srv.requested_at) == 4096
+    now = policy.monotonic
+    policy.monotonic = lambda: now() + 3600  # an hour later: all of them are past the window
+    await h.turn("A")
+    assert list(srv.requested_at) == [rt_of(h, "A").key]
+
+
+async def test_auxiliary_requests_count_as_demand_when_they_take_session_slots(tmp_path: Path) -> None:
+    """No slot reserved for auxiliary requests: two agents on two slots plus title requests is a switch
+    coming, so an idle slot is kept clean and the title request pays no save."""
+    h = await start_harness(
+        tmp_path, total_slots=2, servers={"local": {"mode": "managed-slots"}}, checkpoint=COST_AWARE
+    )
+    try:
+        await h.turn("A")
+        await h.turn("B")
+        await h.coordinator.save("A")  # a save measured
+        await h.turn("title", purpose="title")  # an auxiliary request earlier on: demand
+        for s in ("A", "B"):
+            await h.turn(s)
+        await eventually(lambda: not rt_of(h, "A").dirty, what="A cleaned ahead")
+        h.calls()
+        await h.turn("title", purpose="title")
+        assert "save" not in h.calls()
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_strict_mode_background_save_failure_is_not_left_unretrieved(tmp_path: Path) -> None:
+    h = await two_slots_a_and_b_dirty(tmp_path, failure={"strict": True})
+    errors: list[dict[str, object]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    try:
+        a = rt_of(h, "A")
+        lease_id = await b_works_until_a_is_due(h)
+        h.fake.fail_next_save(1)
+        await h.coordinator.release(lease_id, status="aborted")
+        await eventually(lambda: "save" in h.calls(), what="A's background save")
+        await asyncio.sleep(0.05)
+        gc.collect()
+        await asyncio.sleep(0)
+        assert errors == [] and a.dirty
+    finally:
+        loop.set_exception_handler(None)
+        await h.coordinator.aclose()
+
+
+async def test_a_due_check_survives_an_acquire_that_lands_first(tmp_path: Path) -> None:
+    h = await two_slots_a_and_b_dirty(tmp_path)
+    try:
+        a = rt_of(h, "A")
+        await h.coordinator.release(await b_works_until_a_is_due(h), status="aborted")
+        lease_id = await hold(h, "B")  # B's next call, in the same loop turn as the release
+        await asyncio.sleep(0.05)
+        assert a.dirty  # B works again: not now
+        await h.coordinator.release(lease_id, status="aborted")
+        await eventually(lambda: not a.dirty, what="A cleaned at the next idle moment")
     finally:
         await h.coordinator.aclose()
 

@@ -20,6 +20,7 @@ from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.coordinator.state import Lease, Outcome
 from kvsidecar.errors import KvError
 from kvsidecar.store.naming import SnapshotIdentity
+from tests.fleet_helpers import eventually
 from tests.unit.coordinator_helpers import Harness, conversation, start_harness
 
 MANAGED = {"local": {"mode": "managed-slots"}}
@@ -92,10 +93,17 @@ async def test_waiters_get_slot_busy_after_the_bound(tmp_path: Path) -> None:
         await h.coordinator.aclose()
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-async def test_randomized_concurrency_keeps_every_invariant(tmp_path: Path, seed: int) -> None:
+@pytest.mark.parametrize(
+    ("seed", "policy"), [(1, "save-before-evict"), (2, "save-before-evict"), (3, "cost-aware")]
+)
+async def test_randomized_concurrency_keeps_every_invariant(tmp_path: Path, seed: int, policy: str) -> None:
+    """cost-aware (with clean_ahead_while_busy, so that they run mid-load) adds background saves started
+    by timers and give-backs, and new sessions waiting for a slot being cleaned."""
     rng = random.Random(seed)
-    h = await start_harness(tmp_path, total_slots=4, servers=MANAGED)
+    checkpoint: dict[str, object] = {"idle_s": 30, "policy": policy}
+    if policy == "cost-aware":
+        checkpoint["clean_ahead_while_busy"] = True
+    h = await start_harness(tmp_path, total_slots=4, servers=MANAGED, checkpoint=checkpoint)
     c = h.coordinator
     turns: dict[str, int] = {}
     outcomes: dict[str, int] = {}
@@ -123,17 +131,23 @@ async def test_randomized_concurrency_keeps_every_invariant(tmp_path: Path, seed
             if fate < 0.1:
                 await c.release(r.lease_id, status="aborted")
             else:
-                h.fake.infer(r.slot_id, conversation(session, turn))
+                prompt_n, cache_n = h.fake.infer(r.slot_id, conversation(session, turn))
                 status: Literal["ok", "error"] = "error" if fate < 0.15 else "ok"
-                await c.release(r.lease_id, status=status)
+                await c.release(r.lease_id, status=status, prompt_tokens=prompt_n, cached_tokens=cache_n)
                 if status == "ok":
                     turns[session] = turn
             check_invariants(c, h)
             if rng.random() < 0.02:
                 await c.session_event(session, "flush")
+            if policy == "cost-aware" and rng.random() < 0.05:
+                await asyncio.sleep(0.3)  # think time: clean-ahead checks come due
 
     await asyncio.gather(*(client(100) for _ in range(24)))  # 2,400 acquire/release pairs
-    assert len(c.leases) == 0 and all(s.holder is None for s in c.servers["local"].slots.values())
+    slots = c.servers["local"].slots.values()
+    await eventually(lambda: all(s.holder is None for s in slots), what="background saves done")
+    assert len(c.leases) == 0
+    if policy == "cost-aware":
+        assert c.metrics.clean_ahead.labels("local", "saved")._value.get() > 0  # they did run
     assert (
         outcomes.get("restored", 0) > 100 and outcomes.get("resident", 0) > 0 and outcomes.get("cold", 0) > 0
     )
