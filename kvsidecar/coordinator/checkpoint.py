@@ -267,9 +267,8 @@ class CheckpointPolicy:
         recent = srv.requested_at
         recent[key] = self.monotonic()
         recent.move_to_end(key)
-        while len(recent) > _DEMAND_KEYS_MAX:
+        if len(recent) > _DEMAND_KEYS_MAX:  # expired ones go first when counted (switches_coming)
             recent.popitem(last=False)
-        self._prune(srv)
 
     def _prune(self, srv: ServerRuntime) -> None:
         think = median(self.costs.server(srv.name).think_s)
@@ -285,9 +284,11 @@ class CheckpointPolicy:
         slot) a background save is a stall of the other slots for nothing; the idle timer still saves a
         session that went quiet. Lately: the last minute, or four of the server's median think times.
         Auxiliary requests count as one more session when no slot is reserved for them."""
-        self._prune(srv)
         aux = aux_slot_id(srv)
-        return len(srv.requested_at) - sum(1 for i in srv.slots if i != aux)
+        slots = sum(1 for i in srv.slots if i != aux)
+        if len(srv.requested_at) > slots:  # only a count above the slots can change by expiring
+            self._prune(srv)
+        return len(srv.requested_at) - slots
 
     def next_victims(self, srv: ServerRuntime) -> list[Slot]:
         """The dirty slots the coming switches will take, in the order they will take them (least recently
