@@ -41,7 +41,7 @@ from kvsidecar.coordinator.pool import CLEANING, SlotPool, aux_slot_id, owner_sl
 from kvsidecar.coordinator.save import Saver
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
-from kvsidecar.coordinator.state import AcquireResult, Lease, SessionRuntime, Slot
+from kvsidecar.coordinator.state import AcquireResult, SessionRuntime, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import KvError
 
@@ -235,10 +235,9 @@ class CheckpointPolicy:
         the next victim whose clean ahead is due. A check that came while the server was busy (another slot
         working, say) is retried here instead of being lost until the switch pays for it. One at a time: the
         save's own give-back comes here again for the next one."""
-        cp = self.config.checkpoint
-        if not self.active or cp.policy != "cost-aware" or not cp.on_switch or srv.waiters:
+        if not self._cleaning_on() or srv.waiters:
             return
-        if not self.config.checkpoint.clean_ahead_while_busy and any(not s.free for s in srv.slots.values()):
+        if not self.config.checkpoint.clean_ahead_while_busy and self._working(srv):
             return
         now = self.monotonic()
         for slot in self.next_victims(srv):
@@ -250,6 +249,16 @@ class CheckpointPolicy:
                 self.spawn(self._clean_ahead_quietly(rt))
                 return
 
+    def _cleaning_on(self) -> bool:
+        """Clean ahead is in force: cost-aware policy, saves at switches on (SIGHUP may change either)."""
+        cp = self.config.checkpoint
+        return self.active and cp.policy == "cost-aware" and cp.on_switch
+
+    @staticmethod
+    def _working(srv: ServerRuntime, but: Slot | None = None) -> bool:
+        """A slot of the server (other than `but`) is held: an inference, or a save of its own."""
+        return any(not s.free for s in srv.slots.values() if s is not but)
+
     async def _clean_ahead_quietly(self, rt: SessionRuntime) -> None:
         try:
             with contextlib.suppress(KvError):  # strict mode raises; a background save has no caller
@@ -259,7 +268,10 @@ class CheckpointPolicy:
 
     def note_request(self, srv: ServerRuntime, key: str | None) -> None:
         """A session (None: an auxiliary request, which takes a session's slot unless one is reserved for
-        them) asked this server for a slot. Recency order, oldest first; bounded whatever ids clients send."""
+        them) asked this server for a slot. Recency order, oldest first; bounded whatever ids clients send.
+        A session's own request voids a background save of it that was due."""
+        if key is not None and (rt := self.sessions.get(key)) is not None:
+            rt.clean_due_at = None
         if key is None:
             if aux_slot_id(srv) is not None:
                 return
@@ -315,9 +327,7 @@ class CheckpointPolicy:
         """Save a dirty, idle session in the background if its server is idle and it is the next victim."""
         srv = self.servers.get(rt.identity.server)
         slot = owner_slot(srv, rt.key) if srv else None
-        cp = self.config.checkpoint
-        cost_aware = cp.policy == "cost-aware" and cp.on_switch  # SIGHUP may have turned it off
-        if srv is None or slot is None or not rt.dirty or not self.active or not cost_aware:
+        if srv is None or slot is None or not rt.dirty or not self._cleaning_on():
             return False
         save_s = self.costs.server(srv.name).save_s(rt.context_tokens or 0)
         wait_s = self.acquire_timeout_s if self.acquire_timeout_s is not None else srv.config.slot_wait_s
@@ -329,7 +339,7 @@ class CheckpointPolicy:
         if self.switches_coming(srv) <= 0:
             self.telemetry.clean_ahead(srv.name, rt, "no_switch")
             return False
-        busy = any(isinstance(s.holder, Lease | str) for s in srv.slots.values() if s is not slot)
+        busy = self._working(srv, but=slot)
         if not slot.free or srv.waiters or (busy and not self.config.checkpoint.clean_ahead_while_busy):
             self.telemetry.clean_ahead(srv.name, rt, "busy")
             return False

@@ -263,10 +263,6 @@ class Coordinator:
         )
         timeout = self.acquire_timeout_s if self.acquire_timeout_s is not None else srv.config.slot_wait_s
         self.checkpoints.note_request(srv, identity.key if identity else None)
-        if identity is not None:
-            known = self.sessions.get(identity.key)
-            if known is not None:
-                known.clean_due_at = None  # its own request: a background save due before is moot now
         slot = await self.pool.take(srv, lease.key, lease, timeout)
         try:
             if identity is None:
