@@ -29,8 +29,8 @@ from common import summary, write
 from kvsidecar.client import KvSidecarClient
 from kvsidecar.demo import TOKEN
 from kvsidecar.testing.daemon import DaemonProcess
-from kvsidecar.testing.llama import LlamaServer, llama_server_binary, words
-from kvsidecar.testing.models import gemma3_270m
+from kvsidecar.testing.llama import LlamaServer, llama_server_binary, vocab_dir, words
+from kvsidecar.testing.models import LLAMA3_8B_GEOMETRY, gemma3_270m, generate_llama_model
 
 SESSIONS = ("A", "B")
 # llama-server may close a kept-alive connection right after a streamed answer or ~5 s idle: a new
@@ -103,7 +103,9 @@ async def raw_phase(base: str, n_words: int, rounds: int, start_turn: int) -> li
     return rows
 
 
-async def kvsidecar_phase(daemon_url: str, base: str, n_words: int, rounds: int) -> list[dict[str, float]]:
+async def kvsidecar_phase(
+    daemon_url: str, base: str, n_words: int, rounds: int, model: str
+) -> list[dict[str, float]]:
     rows = []
     async with (
         KvSidecarClient(daemon_url, token=TOKEN) as kv,
@@ -112,7 +114,7 @@ async def kvsidecar_phase(daemon_url: str, base: str, n_words: int, rounds: int)
         for i in range(rounds + 2):  # the first two turns compute each history cold
             incoming = SESSIONS[i % 2]
             t0 = time.perf_counter()
-            async with kv.acquire(incoming, provider="local", model="gemma-3-270m") as lease:
+            async with kv.acquire(incoming, provider="local", model=model) as lease:
                 t1 = time.perf_counter()
                 assert lease.slot_id is not None, lease
                 timings = await first_token(http, base, prompt(incoming, n_words, i), lease.slot_id)
@@ -135,15 +137,28 @@ def med(rows: list[dict[str, float]], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-async def run(work: Path, n_words: int, rounds: int) -> dict[str, Any]:
+# --model: Gemma 3 270M (the side-by-side, ~34 MB slot files at 8.5K tokens), or the generated
+# model with Llama-3-8B's KV geometry (128 KiB per token: ~400 MB slot files at ~3K tokens)
+MODELS = {"gemma": ("gemma-3-270m Q4_K_M", 9728), "llama3-8b-geometry": ("llama3-8b-geometry", 4096)}
+
+
+async def run(work: Path, n_words: int, rounds: int, which: str, log_level: str) -> dict[str, Any]:
     snaps = work / "snaps"
+    binary = llama_server_binary()
+    name, ctx = MODELS[which]
+    path = (
+        gemma3_270m()
+        if which == "gemma"
+        else generate_llama_model(LLAMA3_8B_GEOMETRY, vocab_dir=vocab_dir(binary))
+    )
+    flags = ("--swa-full", "--cache-ram", "0") if which == "gemma" else ("--cache-ram", "0")
     llama = LlamaServer(
-        binary=llama_server_binary(),
-        model=gemma3_270m(),
+        binary=binary,
+        model=path,
         slot_save_path=snaps,
         log_path=work / "llama.log",
-        ctx_size=9728,
-        extra_args=("--swa-full", "--cache-ram", "0"),
+        ctx_size=ctx,
+        extra_args=flags,
     )
     llama.start()
     try:
@@ -155,13 +170,13 @@ async def run(work: Path, n_words: int, rounds: int) -> dict[str, Any]:
             base_url=llama.base_url,
             snapshot_dir=snaps,
             token=TOKEN,
-            logging={"level": "warning"},
+            logging={"level": log_level},
             # every switch pays the outgoing save, as the raw harness does (no clean ahead in the gaps)
             checkpoint={"policy": "save-before-evict"},
         )
         daemon.start()
         try:
-            side = await kvsidecar_phase(daemon.url, llama.base_url, n_words, rounds)
+            side = await kvsidecar_phase(daemon.url, llama.base_url, n_words, rounds, name)
         finally:
             daemon.stop()
         raw2 = await raw_phase(llama.base_url, n_words, rounds, 0)
@@ -171,8 +186,8 @@ async def run(work: Path, n_words: int, rounds: int) -> dict[str, Any]:
         llama.stop()
     raw = raw1 + raw2
     return {
-        "model": "gemma-3-270m Q4_K_M",
-        "llama_flags": "--ctx-size 9728 --parallel 1 --swa-full --cache-ram 0",
+        "model": name,
+        "llama_flags": f"--ctx-size {ctx} --parallel 1 {' '.join(flags)}",
         "prompt_tokens": med(side, "prompt_n") + med(side, "cache_n"),
         "raw": {k: summary([r[k] for r in raw]) for k in raw[0]},
         "kvsidecar": {k: summary([r[k] for r in side]) for k in side[0]},
@@ -183,15 +198,20 @@ async def run(work: Path, n_words: int, rounds: int) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--words", type=int, default=4900, help="history size in generated words (~1.7 tok)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="gemma")
+    parser.add_argument(
+        "--words", type=int, help="history size in generated words (default: 4,900 for gemma)"
+    )
     parser.add_argument("--rounds", type=int, default=12, help="switches per phase")
+    parser.add_argument("--log-level", default="warning", help="the daemon's (its log is kept with --work)")
     parser.add_argument("--work", type=Path, help="keep the logs and files here (default: a temporary dir)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        result = asyncio.run(run(work, args.words, args.rounds))
-    print(write("switch_raw", result))
+        words_n = args.words or (4900 if args.model == "gemma" else 1700)
+        result = asyncio.run(run(work, words_n, args.rounds, args.model, args.log_level))
+    print(write("switch_raw" if args.model == "gemma" else f"switch_raw_{args.model}", result))
     raw, side = result["raw"], result["kvsidecar"]
     print(
         f"{result['prompt_tokens']:,.0f} tokens. raw: TTFT p50 {raw['ttft_ms']['p50']:.1f} ms "

@@ -1,4 +1,4 @@
-"""Write docs/BENCHMARKS.md from bench/results/*.json (run by bench/run)."""
+"""Write docs/BENCHMARKS.md from bench/results/*.json and the hand-written bench/notes/*.md (run by bench/run)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def section_ttft(t: dict[str, Any]) -> list[str]:
     ]
 
 
-def section_switch_raw(d: dict[str, Any]) -> list[str]:
+def _switch_raw_table(d: dict[str, Any]) -> list[str]:
     raw, side = d["raw"], d["kvsidecar"]
 
     def row(name: str, r: dict[str, Any], save: str, restore: str) -> str:
@@ -83,8 +83,23 @@ def section_switch_raw(d: dict[str, Any]) -> list[str]:
         )
 
     return [
+        "| path | TTFT | management | save | restore | first token | new tokens | n |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        row("raw /slots", raw, f"{raw['save_ms']['p50']:,.1f}", f"{raw['restore_ms']['p50']:,.1f}"),
+        row("kvsidecar", side, "", f"{side['restore_ms']['p50']:,.1f}"),
+        "",
+        f"**kvsidecar / raw, TTFT p50: {d['ratio_ttft_p50']:.2f}x** (management alone: "
+        f"{side['manage_ms']['p50'] / raw['manage_ms']['p50']:.2f}x).",
+        "",
+    ]
+
+
+def section_switch_raw(d: dict[str, Any]) -> list[str]:
+    big = load("switch_raw_llama3-8b-geometry")
+    return [
         "## Switch-back through kvsidecar vs driving `/slots` by hand (Gemma 3 270M, CPU)",
         "",
+        f"Machine: {d['machine']['cpu']}, {d['machine']['cores']} cores, {d['machine']['date']}. "
         f"`bench/bench_switch_raw.py`: one llama-server (`{d['llama_flags']}`), two sessions of "
         f"{d['prompt_tokens']:,.0f} tokens taking turns on the one slot, each turn appending a few words. The raw "
         "harness saves the outgoing slot to a file, restores the incoming one's file and streams the completion; "
@@ -94,20 +109,69 @@ def section_switch_raw(d: dict[str, Any]) -> list[str]:
         "streamed token; management is the save + restore calls (raw) or the acquire hook (kvsidecar); first "
         "token is the completion call alone. Medians in ms.",
         "",
-        "| path | TTFT | management | save | restore | first token | new tokens | n |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-        row("raw /slots", raw, f"{raw['save_ms']['p50']:,.1f}", f"{raw['restore_ms']['p50']:,.1f}"),
-        row("kvsidecar", side, "", f"{side['restore_ms']['p50']:,.1f}"),
-        "",
-        f"**kvsidecar / raw, TTFT p50: {d['ratio_ttft_p50']:.2f}x** (management alone: "
-        f"{side['manage_ms']['p50'] / raw['manage_ms']['p50']:.2f}x).",
-        "",
+        *_switch_raw_table(d),
         "Where the rest of kvsidecar's management time goes (the acquire instrumented separately, 2026-11-30, "
         "p50 per switch): llama-server's save ~21 ms and restore ~10 ms as in the raw path; the runtime bracket "
         "(process check plus the `/props` nonce) ~1.5 ms at each of the four ends of the save and the restore; "
-        "choosing and clearing the save's target generation (a durable manifest write and the old file's unlink) "
-        "~4 ms; the commit (xxh3 of the 34 MB file, the manifest write) ~6 ms, which runs while the incoming "
-        "session restores instead of before it.",
+        "choosing and clearing the save's target generation (a durable manifest write; the old file is moved "
+        "aside and deleted beside the save, see below) ~4 ms; the commit (xxh3 of the 34 MB file, the manifest "
+        "write) ~6 ms, which runs while the incoming session restores instead of before it.",
+        "",
+        *(
+            [
+                "### The same at Llama-3-8B KV sizes",
+                "",
+                f"Machine: {big['machine']['cpu']}, {big['machine']['cores']} cores, {big['machine']['date']}. "
+                "`bench/bench_switch_raw.py --model llama3-8b-geometry`: the generated model with Llama-3-8B's KV "
+                f"geometry (`{big['llama_flags']}`), two sessions of {big['prompt_tokens']:,.0f} tokens "
+                f"(~{big['prompt_tokens'] * 131088 / 1e6:,.0f} MB slot files). Medians in ms.",
+                "",
+                *_switch_raw_table(big),
+            ]
+            if big is not None
+            else []
+        ),
+    ]
+
+
+def section_save_target(d: dict[str, Any]) -> list[str]:
+    runs = [r for r in (d, load("save_target_dirty")) if r is not None]
+    ways = {
+        "unlink-first": "unlink-first (kvsidecar before)",
+        "aside": "**aside** (kvsidecar now)",
+        "overwrite": "overwrite (raw /slots)",
+        "keep-until-after": "keep-until-after",
+    }
+    rows = []
+    for r in runs:
+        for way, label in ways.items():
+            p = r["p50"][way]
+            rows.append(
+                f"| {label} | {r['state']} | {p['path_ms']:,.1f} | {p['save_ms']:,.1f} | {p['llama_save_ms']:,.1f} "
+                f"| {p['restore_ms']:,.1f} |"
+            )
+    ratios = ", ".join(
+        f"{r['p50']['aside']['path_ms'] / r['p50']['unlink-first']['path_ms']:.2f}x ({r['state']})"
+        for r in runs
+    )
+    return [
+        "## Clearing a save's target (Llama-3-8B geometry)",
+        "",
+        f"Machine: {d['machine']['cpu']}, {d['machine']['cores']} cores, {d['machine']['date']}. "
+        f"`bench/bench_save_target.py` ({d['rounds']} rounds per way, interleaved): a save writes a session's older "
+        f"generation again, so the name holds a {d['file_bytes'] / 1e6:,.0f} MB file that must go. Timed from "
+        "the first file operation to the end of the incoming session's restore (the part of a switch before its "
+        "prefill). Ways: unlink-first, delete the old file then save; aside, rename it to a fresh name and delete "
+        "it in a thread while llama-server saves; overwrite, let llama-server's save truncate it (a harness "
+        "driving `/slots` by hand); keep-until-after, rename it aside and delete it after the save. Old file "
+        "`clean`: the disk synced before each round (a generation written a while ago); `dirty`: not (written "
+        "seconds ago). Medians in ms.",
+        "",
+        "| way | old file | save + restore | save | llama-server's save_ms | restore |",
+        "|---|---|---:|---:|---:|---:|",
+        *rows,
+        "",
+        f"**Aside / unlink-first, save + restore p50: {ratios}.**",
         "",
     ]
 
@@ -558,7 +622,13 @@ def section_fleet(d: dict[str, Any]) -> list[str]:
     return section(d)
 
 
-def main() -> int:
+def notes(name: str) -> list[str]:
+    """The hand-written analysis of a section (bench/notes/<name>.md), kept beside the generated tables."""
+    path = ROOT / "bench" / "notes" / f"{name}.md"
+    return [path.read_text().rstrip("\n"), ""] if path.exists() else []
+
+
+def render() -> str:
     parts = [
         "# kvsidecar benchmarks",
         "",
@@ -566,28 +636,34 @@ def main() -> int:
         "come from one run on one machine; these machines are noisy, so compare figures from the same run.",
         "",
     ]
-    sections = (
-        ("context", section_context),
-        ("ttft", section_ttft),
-        ("switch_raw", section_switch_raw),
-        ("hooks", section_hooks),
-        ("store", section_store),
-        ("digest", section_digest),
-        ("retention", section_retention),
-        ("pool", section_pool),
-        ("proxy", section_proxy),
-        ("rss", section_rss),
-        ("agent", section_agent),
-        ("fleet", section_fleet),
+    sections = (  # (results file, its section, the notes that follow it)
+        ("context", section_context, "context"),
+        ("ttft", section_ttft, "ttft"),
+        ("switch_raw", section_switch_raw, "switch_raw"),
+        ("save_target_clean", section_save_target, "save_target"),
+        ("hooks", section_hooks, "hooks"),
+        ("store", section_store, "store"),
+        ("digest", section_digest, "digest"),
+        ("retention", section_retention, "retention"),
+        ("pool", section_pool, "pool"),
+        ("proxy", section_proxy, "proxy"),
+        ("rss", section_rss, "rss"),
+        ("agent", section_agent, "agent"),
+        ("fleet", section_fleet, "fleet"),
     )
-    for name, fn in sections:
+    for name, fn, note in sections:
         data = load(name)
         if data is None and name == "agent":  # until the full variant has been run
             data = load("agent-quick")
         if data is not None:
             parts += fn(data)
+            parts += notes(note)
+    return "\n".join(parts)
+
+
+def main() -> int:
     out = ROOT / "docs" / "BENCHMARKS.md"
-    out.write_text("\n".join(parts))
+    out.write_text(render())
     print(out, file=sys.stderr)
     return 0
 

@@ -7,12 +7,13 @@ no`): `stop()` then `start()` on the same port is a Redis that lost every key, a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,3 +98,28 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+class BoundSocket:
+    """A loopback socket bound now, so its URL can be advertised by a host started before its hook API is
+    served on it (`serving`); nothing answers on it until then."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    @contextlib.asynccontextmanager
+    async def serving(self, app: Any, *, what: str) -> AsyncIterator[None]:
+        """Serve `app` (a hook API) on the socket with uvicorn for the block; the socket is closed after."""
+        import uvicorn
+
+        server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+        serving = asyncio.ensure_future(server.serve(sockets=[self.sock]))
+        try:
+            await eventually(lambda: server.started, what=what)
+            yield
+        finally:
+            server.should_exit = True
+            await serving
+            self.sock.close()

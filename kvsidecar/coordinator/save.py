@@ -45,6 +45,7 @@ class _Written:
     trigger: str
     started: float
     resident: bool
+    dropping: asyncio.Future[None] | None  # the deletion of the target's old file, beside the write
 
 
 class Saver:
@@ -148,8 +149,11 @@ class Saver:
         self.telemetry.save_start(rt, trigger, slot.id)
         started = self.monotonic()
         plan: SavePlan | None = None
+        dropping: asyncio.Future[None] | None = None
         try:
             plan = await asyncio.to_thread(self.store.begin_save, rt.identity, fingerprint=fingerprint)
+            if plan.retired is not None:  # the old file's blocks are freed while the server writes
+                dropping = asyncio.get_running_loop().run_in_executor(None, self.store.drop_retired, plan)
             saved = await self.guard.persist(srv, srv.backend.save_slot(slot.id, plan.filename))
             if saved.tokens <= 0:
                 raise SaveFailed("llama-server saved an empty slot (it lost the session's KV); not recorded")
@@ -159,7 +163,7 @@ class Saver:
         except BaseException as exc:
             await self._aborted(srv, slot, rt, plan, exc, trigger, resident=resident)
             return None
-        step = _Written(plan, saved, fingerprint, revision, trigger, started, resident)
+        step = _Written(plan, saved, fingerprint, revision, trigger, started, resident, dropping)
         return self._commit(srv, slot, rt, step)
 
     async def _commit(self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, step: _Written) -> bool:
@@ -177,6 +181,8 @@ class Saver:
             await self._aborted(srv, slot, rt, step.plan, exc, step.trigger, resident=step.resident)
             return False
         finally:
+            if step.dropping is not None:  # the old file is gone once the commit returns
+                await asyncio.wait([step.dropping])
             if rt.pending_commit is asyncio.current_task():  # the overlapped commit ends
                 rt.pending_commit = None
         rt.base_generation = step.plan.generation

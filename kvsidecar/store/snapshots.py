@@ -176,6 +176,9 @@ class SnapshotStore:
     def abort_save(self, plan: SavePlan, *, discard: bool = False) -> None:
         self.saves.abort_save(plan, discard=discard)
 
+    def drop_retired(self, plan: SavePlan) -> None:
+        self.saves.drop_retired(plan)
+
     def commit_save(
         self,
         plan: SavePlan,

@@ -18,7 +18,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from kvsidecar.api import create_app
@@ -32,7 +31,7 @@ from kvsidecar.metrics import Metrics
 from kvsidecar.proxy import Proxy
 from kvsidecar.retention import Deletion, RetentionJob
 from kvsidecar.store.snapshots import SnapshotStore
-from tests.fleet_helpers import eventually
+from tests.fleet_helpers import BoundSocket, eventually
 from tests.unit.test_fleet_fencing import Host, key_of, manifest_bytes, start_host
 
 __all__ = ["start_host"]  # the fixture, shared with test_fleet_fencing
@@ -225,9 +224,8 @@ async def test_an_auxiliary_lease_can_be_released_through_any_host(
     compaction) is not wrapped by the router: its lease id is not `<host>~<id>`, so a release that reaches
     another host answers 404 there, and the auxiliary lease (the reserved aux slot, or a session's slot
     whose owner was saved for it) stays held on the first host until `api.lease_ttl_s`."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    api = BoundSocket()
+    url = api.url
     h1 = await start_host("h1", advertise_url=url)
     h2 = await start_host("h2")
     await eventually(lambda: "h1" in h2.agent.hosts, what="h2 to see h1")
@@ -235,22 +233,17 @@ async def test_an_auxiliary_lease_can_be_released_through_any_host(
     r2 = FleetRouter(h2.agent, h2.gate, h2.coordinator, token=None)
     app1 = create_app(h1.coordinator, check_host=False, fleet=lambda: r1)
     app2 = create_app(h2.coordinator, check_host=False, fleet=lambda: r2)
-    server = uvicorn.Server(uvicorn.Config(app1, lifespan="off", log_level="warning"))
-    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     try:
-        await eventually(lambda: server.started, what="h1's hook API")
-        body = {"provider": "local", "model": "m", "purpose": "title"}
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app1), base_url=url) as c1:
-            lease = (await c1.post("/v1/acquire", json=body)).json()
-        assert lease["lease_id"]
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app2), base_url=url) as c2:
-            done = await c2.post(f"/v1/leases/{lease['lease_id']}/release", json={"status": "ok"})
-        assert done.status_code == 200, done.text
-        assert h1.coordinator.status()["leases"] == 0
+        async with api.serving(app1, what="h1's hook API"):
+            body = {"provider": "local", "model": "m", "purpose": "title"}
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app1), base_url=url) as c1:
+                lease = (await c1.post("/v1/acquire", json=body)).json()
+            assert lease["lease_id"]
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app2), base_url=url) as c2:
+                done = await c2.post(f"/v1/leases/{lease['lease_id']}/release", json={"status": "ok"})
+            assert done.status_code == 200, done.text
+            assert h1.coordinator.status()["leases"] == 0
     finally:
-        server.should_exit = True
-        await serving
-        sock.close()
         await r1.aclose()
         await r2.aclose()
 

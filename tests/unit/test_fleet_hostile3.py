@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-
-import uvicorn
 
 from kvsidecar.api import create_app
 from kvsidecar.errors import NotFound
 from kvsidecar.fleet.routing import FleetRouter
 from kvsidecar.proxy import Proxy
 from kvsidecar.store.saving import SavePlan
-from tests.fleet_helpers import eventually
+from tests.fleet_helpers import BoundSocket, eventually
 from tests.unit.test_fleet_fencing import Host, key_of, manifest_bytes, start_host
 from tests.unit.test_fleet_hostile2 import fake_peer, purge_everywhere, silent_listener
 
@@ -103,11 +100,9 @@ async def test_a_purge_reaches_the_live_host_that_owns_a_session_no_slot_holds(
     nowhere, but h2 still holds its ownership lease: the purge sent to h1 claims the key, is refused
     (h2 owns it), never asks h2, and answers 200 `{"purged": 0}`; the conversation the client asked to
     delete stays in the shared directory and h2 restores it on the next acquire."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    api = BoundSocket()
     h1 = await start_host("h1", owner_lease_ttl_s=60.0)
-    h2 = await start_host("h2", owner_lease_ttl_s=60.0, advertise_url=url)
+    h2 = await start_host("h2", owner_lease_ttl_s=60.0, advertise_url=api.url)
     await eventually(lambda: "h2" in h1.agent.hosts, what="h1 to see h2")
     k = key_of("A")
     await h2.h.turn("A")
@@ -119,18 +114,14 @@ async def test_a_purge_reaches_the_live_host_that_owns_a_session_no_slot_holds(
     r1 = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
     r2 = FleetRouter(h2.agent, h2.gate, h2.coordinator, token=None)
     app2 = create_app(h2.coordinator, check_host=False, fleet=lambda: r2)
-    server = uvicorn.Server(uvicorn.Config(app2, lifespan="off", log_level="warning"))
-    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    answer: dict[str, Any] | str
     try:
-        await eventually(lambda: server.started, what="h2's hook API")
-        # every_host: what the hook API's DELETE (and invalidate) route asks for
-        answer: dict[str, Any] | str = await purge_everywhere(r1, h1, every_host=True)
+        async with api.serving(app2, what="h2's hook API"):
+            # every_host: what the hook API's DELETE (and invalidate) route asks for
+            answer = await purge_everywhere(r1, h1, every_host=True)
     except NotFound as exc:
         answer = f"404 {exc.message}"
     finally:
-        server.should_exit = True
-        await serving
-        sock.close()
         await r1.aclose()
         await r2.aclose()
     assert manifest_bytes(tmp_path, k) is None, f"purge answered {answer!r}; the session's files are kept"

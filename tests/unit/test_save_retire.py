@@ -1,0 +1,232 @@
+"""Issue 15: a save's target generation's old file is moved aside and deleted beside the server's write.
+
+Freeing a large file's blocks takes time in proportion to its size (ext4 here: ~70 ms at 380 MB), and a
+switch used to pay it between the evicted session's save and the incoming session's restore. Now the old
+file is renamed to a fresh name of ours (claimed, so nobody's orphan) and deleted off the path; without
+room on the disk for two, or when the rename fails, it is removed in place as before. Planted entries are
+never renamed: they are removed themselves, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import threading
+from collections import namedtuple
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvsidecar.config import RetentionConfig
+from kvsidecar.metrics import Metrics
+from kvsidecar.retention import Disk, RetentionJob
+from kvsidecar.store import saving
+from kvsidecar.store.naming import SnapshotIdentity, parse_snapshot_name
+from kvsidecar.store.snapshots import SavePlan, SnapshotStore
+from tests.unit.coordinator_helpers import Harness, start_harness
+from tests.unit.test_store import FP, ID, make_store, save, server_writes
+
+
+def key(session: str) -> str:
+    return SnapshotIdentity(server="local", provider="local", model="m", session_id=session).key
+
+
+def two_generations(tmp_path: Path) -> SnapshotStore:
+    store = make_store(tmp_path)
+    save(store, 10)  # a
+    save(store, 20, revision=2)  # b, current: the next save targets a
+    return store
+
+
+def snap_names(store: SnapshotStore) -> set[str]:
+    return {p.name for p in store.snapshot_dirs["local"].iterdir()}
+
+
+def test_the_old_file_is_moved_aside_claimed_and_dropped(tmp_path: Path) -> None:
+    store = two_generations(tmp_path)
+    d = store.snapshot_dirs["local"]
+    old_inode = (d / ID.filename("a")).stat().st_ino
+    plan = store.begin_save(ID)
+    assert plan.generation == "a" and plan.retired is not None
+    assert not (d / ID.filename("a")).exists()  # the server creates a fresh file
+    assert (d / plan.retired).stat().st_ino == old_inode  # the very old file, by another name of ours
+    assert parse_snapshot_name(plan.retired) == (ID.key, "a")
+    assert plan.retired not in {f.name for f in store.loose_files()}  # claimed: nobody's orphan
+    store.drop_retired(plan)
+    assert not (d / plan.retired).exists()
+    store.commit_save(plan, server_writes(plan, 30), fingerprint=FP, revision=3)
+    assert snap_names(store) == {ID.filename("a"), ID.filename("b")}
+    assert store.loose_files() == []
+
+
+def test_the_commit_drops_it_if_nobody_did(tmp_path: Path) -> None:
+    store = two_generations(tmp_path)
+    plan = store.begin_save(ID)
+    assert plan.retired is not None
+    m = store.commit_save(plan, server_writes(plan, 30), fingerprint=FP, revision=3)
+    assert m.current == "a" and m.generations["a"].tokens == 30
+    assert snap_names(store) == {ID.filename("a"), ID.filename("b")}
+    store.drop_retired(plan)  # idempotent
+    assert snap_names(store) == {ID.filename("a"), ID.filename("b")}
+
+
+def test_a_failed_save_drops_it_and_keeps_the_newer_generation(tmp_path: Path) -> None:
+    store = two_generations(tmp_path)
+    plan = store.begin_save(ID)
+    assert plan.retired is not None
+    plan.path.write_bytes(b"ggsq partial")
+    store.abort_save(plan, discard=True)
+    assert snap_names(store) == {ID.filename("b")}
+    cand, _ = store.find_restorable(ID, FP)
+    assert cand is not None and cand.generation == "b" and cand.record.tokens == 20
+    assert store.loose_files() == []
+
+
+def test_without_room_for_two_the_old_file_is_removed_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = two_generations(tmp_path)
+    size = (store.snapshot_dirs["local"] / ID.filename("a")).stat().st_size
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10 * size, 8 * size, 2 * size - 1))
+    plan = store.begin_save(ID)
+    assert plan.retired is None
+    assert snap_names(store) == {ID.filename("b")}  # freed before the server writes
+
+
+def test_a_disk_usage_error_removes_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = two_generations(tmp_path)
+
+    def broken(_p: Any) -> Any:
+        raise OSError(5, "EIO")
+
+    monkeypatch.setattr(shutil, "disk_usage", broken)
+    plan = store.begin_save(ID)
+    assert plan.retired is None and snap_names(store) == {ID.filename("b")}
+
+
+def test_a_failed_rename_falls_back_to_removal_and_claims_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = two_generations(tmp_path)
+
+    def no_rename(*_a: Any, **_k: Any) -> None:
+        raise OSError(18, "EXDEV")
+
+    monkeypatch.setattr(os, "rename", no_rename)
+    plan = store.begin_save(ID)
+    assert plan.retired is None and snap_names(store) == {ID.filename("b")}
+    assert {name for _server, name in store.table.inflight()} == {plan.filename}  # the target only
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink"])
+def test_a_planted_entry_is_removed_itself_never_moved(tmp_path: Path, kind: str) -> None:
+    store = two_generations(tmp_path)
+    d = store.snapshot_dirs["local"]
+    outside = tmp_path / "victim"
+    outside.write_bytes(b"precious")
+    (d / ID.filename("a")).unlink()
+    if kind == "symlink":
+        (d / ID.filename("a")).symlink_to(outside)
+    else:
+        os.link(outside, d / ID.filename("a"))
+    plan = store.begin_save(ID)
+    assert plan.retired is None
+    assert snap_names(store) == {ID.filename("b")}
+    assert outside.read_bytes() == b"precious"
+
+
+def test_a_fresh_name_already_taken_is_never_renamed_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = two_generations(tmp_path)
+    d = store.snapshot_dirs["local"]
+    taken = f"{ID.key}.a.0badc0de.bin"
+    (d / taken).write_bytes(b"someone else's")
+    monkeypatch.setattr(saving, "staging_filename", lambda _k, _g: taken)
+    plan = store.begin_save(ID)
+    assert plan.retired is None and (d / taken).read_bytes() == b"someone else's"
+    assert not (d / ID.filename("a")).exists()
+
+
+async def test_a_crash_between_the_rename_and_the_drop_leaves_an_orphan_retention_deletes(
+    tmp_path: Path,
+) -> None:
+    store = two_generations(tmp_path)
+    plan = store.begin_save(ID)  # ... and the daemon dies here
+    assert plan.retired is not None
+    d = store.snapshot_dirs["local"]
+    os.utime(d / plan.retired, (1, 1))  # an old file's mtime, past the orphan grace
+    again = SnapshotStore(state_dir=store.state_dir, snapshot_dirs=dict(store.snapshot_dirs))
+    again.open()
+    assert [(f.name, f.kind) for f in again.loose_files()] == [(plan.retired, "orphan")]
+    job = RetentionJob(
+        store=again,
+        config=RetentionConfig(max_age_days=None),  # the test clock made the manifests decades old
+        metrics=Metrics(),
+        protected_keys=set,
+        disk_usage=lambda _: Disk(total_bytes=10**12, free_bytes=10**12),
+    )
+    report = await job.run()
+    assert [(d["reason"]) for d in report["deletions"]] == ["orphan"]
+    assert not (d / plan.retired).exists()
+    cand, _ = again.find_restorable(ID, FP)
+    assert cand is not None and cand.generation == "b"  # the newer generation untouched
+
+
+def test_fleet_layout_never_retires(tmp_path: Path) -> None:
+    """Shared snapshot dirs write under a staging name and rename at the commit: nothing to move aside."""
+    store = two_generations(tmp_path)
+    store.layout.shared = True
+    plan = SavePlan(identity=ID, generation="a", filename=ID.filename("a"), path=Path("/nonexistent"))
+    assert store.saves._clear_target(ID, "a", plan.filename) is None
+    assert snap_names(store) == {ID.filename("b")}
+
+
+@pytest.fixture
+async def h(tmp_path: Path) -> Any:
+    harness = await start_harness(tmp_path)
+    yield harness
+    await harness.coordinator.aclose()
+
+
+async def test_the_deletion_runs_beside_the_servers_write_and_is_over_when_the_save_is(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for s in ("A", "B", "A", "B", "A"):  # A has two generations, A resident
+        await h.turn(s)
+    store = h.coordinator.store
+    original_drop = store.drop_retired
+    release, dropping = threading.Event(), threading.Event()
+
+    def slow_drop(plan: SavePlan) -> None:
+        if plan.identity.session_id == "A" and plan.retired is not None:
+            dropping.set()
+            assert release.wait(timeout=10)
+        original_drop(plan)
+
+    monkeypatch.setattr(store, "drop_retired", slow_drop)
+    original_save = h.fake.save_slot
+    seen: list[bool] = []
+
+    async def save_slot(slot_id: int, filename: str) -> Any:
+        if filename.startswith(key("A")):
+            started = await asyncio.to_thread(dropping.wait, 10)
+            seen.append(started and not release.is_set())  # written while the old file is being freed
+            release.set()
+        return await original_save(slot_id, filename)
+
+    monkeypatch.setattr(h.fake, "save_slot", save_slot)
+    result, _, _, _ = await h.turn("B")  # A's save at this switch targets its older generation
+    assert result.outcome == "restored" and seen == [True]
+    recorded = set()
+    for k in (key("A"), key("B")):
+        m = store.get(k)
+        assert m is not None
+        recorded |= {rec.filename for rec in m.generations.values() if rec is not None}
+    assert {p.name for p in store.snapshot_dirs["local"].iterdir()} == recorded  # nothing left over
+    assert store.loose_files() == []
+    result, _, _, cache_n = await h.turn("A")
+    assert result.outcome == "restored" and cache_n == result.restored_tokens
