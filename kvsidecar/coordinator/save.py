@@ -45,7 +45,6 @@ class _Written:
     trigger: str
     started: float
     resident: bool
-    dropping: asyncio.Future[None] | None  # the deletion of the target's old file, beside the write
 
 
 class Saver:
@@ -149,11 +148,11 @@ class Saver:
         self.telemetry.save_start(rt, trigger, slot.id)
         started = self.monotonic()
         plan: SavePlan | None = None
-        dropping: asyncio.Future[None] | None = None
         try:
-            plan = await asyncio.to_thread(self.store.begin_save, rt.identity, fingerprint=fingerprint)
-            if plan.retired is not None:  # the old file's blocks are freed while the server writes
-                dropping = asyncio.get_running_loop().run_in_executor(None, self.store.drop_retired, plan)
+            plan = await self._begin(rt, fingerprint)
+            if plan.retired is not None:  # its blocks are freed while the server writes (the commit or
+                # abort deletes it too, if this has not yet: never on the path, never left behind)
+                asyncio.get_running_loop().run_in_executor(None, self.store.drop_retired, plan)
             saved = await self.guard.persist(srv, srv.backend.save_slot(slot.id, plan.filename))
             if saved.tokens <= 0:
                 raise SaveFailed("llama-server saved an empty slot (it lost the session's KV); not recorded")
@@ -163,8 +162,28 @@ class Saver:
         except BaseException as exc:
             await self._aborted(srv, slot, rt, plan, exc, trigger, resident=resident)
             return None
-        step = _Written(plan, saved, fingerprint, revision, trigger, started, resident, dropping)
+        step = _Written(plan, saved, fingerprint, revision, trigger, started, resident)
         return self._commit(srv, slot, rt, step)
+
+    async def _begin(self, rt: SessionRuntime, fingerprint: RuntimeFingerprint) -> SavePlan:
+        """The store's save plan, made in a thread. If this task is cancelled meanwhile, the thread still
+        makes it (it claims names, and may move the old file aside): it is ended as soon as it comes."""
+        loop = asyncio.get_running_loop()
+        made = loop.run_in_executor(
+            None, partial(self.store.begin_save, rt.identity, fingerprint=fingerprint)
+        )
+        try:
+            return await asyncio.shield(made)
+        except asyncio.CancelledError:
+            made.add_done_callback(self._end_unused_plan)
+            raise
+
+    def _end_unused_plan(self, made: asyncio.Future[SavePlan]) -> None:
+        if made.cancelled() or made.exception() is not None:
+            return
+        # Nothing was asked to write to it: the abort unclaims its names and deletes the old file it moved
+        # aside, and deletes nothing else (a later save of the session may be writing the same name by now).
+        asyncio.get_running_loop().run_in_executor(None, self.store.abort_save, made.result())
 
     async def _commit(self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, step: _Written) -> bool:
         """Check, hash and record the written file; only then does the manifest point at it."""
@@ -181,8 +200,6 @@ class Saver:
             await self._aborted(srv, slot, rt, step.plan, exc, step.trigger, resident=step.resident)
             return False
         finally:
-            if step.dropping is not None:  # the old file is gone once the commit returns
-                await asyncio.wait([step.dropping])
             if rt.pending_commit is asyncio.current_task():  # the overlapped commit ends
                 rt.pending_commit = None
         rt.base_generation = step.plan.generation

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,11 +52,10 @@ class SavePlan:
         return bool(self.final) and self.final != self.filename
 
 
-def _room_for_two(path: Path, size: int) -> bool:
-    """Whether the disk holding `path` has room for two files of `size`: then the old file may be freed
-    beside the new one's write without the write running out of space first."""
+def _room_for(path: Path, nbytes: int) -> bool:
+    """Whether the disk holding `path` has `nbytes` free (False when that cannot be told)."""
     try:
-        return shutil.disk_usage(path).free >= 2 * size
+        return shutil.disk_usage(path).free >= nbytes
     except OSError:
         return False
 
@@ -77,6 +77,9 @@ class SavePlanner:
     ) -> None:
         self.verified = verified
         self.layout, self.table, self.records = layout, table, records
+        # old files moved aside and not deleted yet, by (server, name): (device, bytes)
+        self._retiring: dict[tuple[str, str], tuple[int, int]] = {}
+        self._retiring_lock = threading.Lock()
 
     def begin_save(self, identity: SnapshotIdentity, *, fingerprint: RuntimeFingerprint | None) -> SavePlan:
         """Pick the generation to write: never the newest one that still verifies (preferring one saved
@@ -145,10 +148,14 @@ class SavePlanner:
             if st is None:
                 return None
             why = problem(st, d.expected_uids())
-            if why is None and not self.layout.shared and _room_for_two(d.path, st.st_size):
-                retired = self._retire(identity, gen, filename)
+            if why is None and not self.layout.shared and self._room_to_retire(d.path, st):
+                retired = self._retire(identity, gen, filename, st)
                 if retired is not None:
                     return retired
+                st = d.lstat(filename)  # what stands there now (an entry swapped in was put back)
+                if st is None:
+                    return None
+                why = problem(st, d.expected_uids())
             try:
                 d.unlink(filename)
             except OSError as exc:
@@ -175,21 +182,42 @@ class SavePlanner:
             )
         return None
 
-    def _retire(self, identity: SnapshotIdentity, gen: Generation, filename: str) -> str | None:
-        """Move our old file at `filename` to a fresh name of the same generation, claimed (nobody's orphan)
-        until `drop_retired` deletes it; None if the rename failed (the caller removes it in place). A
-        crash in between leaves a name of ours in no manifest: an orphan, which retention deletes."""
-        d = self.layout.snap[identity.server]
+    def _room_to_retire(self, path: Path, st: os.stat_result) -> bool:
+        """Whether the new file may be written while the old one still holds its space: room on the disk
+        for twice the old file's size (the session grows), on top of twice what the files moved aside and
+        not yet deleted on that disk hold (their saves are writing too)."""
+        with self._retiring_lock:
+            pending = sum(n for dev, n in self._retiring.values() if dev == st.st_dev)
+        return _room_for(path, 2 * (st.st_size + pending))
+
+    def _retire(
+        self, identity: SnapshotIdentity, gen: Generation, filename: str, st: os.stat_result
+    ) -> str | None:
+        """Move our old file `st` at `filename` to a fresh name of the same generation, claimed (nobody's
+        orphan) until `drop_retired` deletes it. None if it was not moved: the rename failed, or what it
+        moved is not `st` (an entry swapped in after the check: put back, for the caller to clear as the
+        planted entry it is). A crash after the rename leaves a name of ours in no manifest: an orphan,
+        which retention deletes."""
+        server = identity.server
+        d = self.layout.snap[server]
         retired = staging_filename(identity.key, gen)
-        self.table.writing_started(identity.server, retired)
+        self.table.writing_started(server, retired)
         try:
             with d.fd() as dfd:
                 if _lstat_at(retired, dfd) is not None:  # a fresh random name taken: never rename over it
                     raise FileExistsError(retired)
                 os.rename(d.check(filename), d.check(retired), src_dir_fd=dfd, dst_dir_fd=dfd)
+                moved = _lstat_at(retired, dfd)
+                same = moved is not None and (moved.st_dev, moved.st_ino) == (st.st_dev, st.st_ino)
+                if moved is None or not same or problem(moved, d.expected_uids()) is not None:
+                    if moved is not None and _lstat_at(filename, dfd) is None:
+                        os.rename(retired, filename, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    raise FileExistsError(filename)  # not our file: nothing was retired
         except (KvError, OSError):
-            self.table.writing_ended(identity.server, retired)
+            self.table.writing_ended(server, retired)
             return None
+        with self._retiring_lock:
+            self._retiring[(server, retired)] = (st.st_dev, st.st_size)
         return retired
 
     def drop_retired(self, plan: SavePlan) -> None:
@@ -201,6 +229,8 @@ class SavePlanner:
             with contextlib.suppress(KvError, OSError):
                 self.layout.snap[plan.identity.server].unlink(plan.retired)
         finally:
+            with self._retiring_lock:
+                self._retiring.pop((plan.identity.server, plan.retired), None)
             self.table.writing_ended(plan.identity.server, plan.retired)
 
     def abort_save(self, plan: SavePlan, *, discard: bool = False) -> None:

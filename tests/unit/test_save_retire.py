@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 
 from kvsidecar.config import RetentionConfig
+from kvsidecar.coordinator.state import SessionState
+from kvsidecar.errors import SaveFailed
 from kvsidecar.metrics import Metrics
 from kvsidecar.retention import Disk, RetentionJob
 from kvsidecar.store import saving
@@ -90,7 +92,7 @@ def test_without_room_for_two_the_old_file_is_removed_in_place(
     store = two_generations(tmp_path)
     size = (store.snapshot_dirs["local"] / ID.filename("a")).stat().st_size
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10 * size, 8 * size, 2 * size - 1))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10 * size, 8 * size, 2 * size - 1))  # 2x: no
     plan = store.begin_save(ID)
     assert plan.retired is None
     assert snap_names(store) == {ID.filename("b")}  # freed before the server writes
@@ -105,6 +107,125 @@ def test_a_disk_usage_error_removes_in_place(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr(shutil, "disk_usage", broken)
     plan = store.begin_save(ID)
     assert plan.retired is None and snap_names(store) == {ID.filename("b")}
+
+
+def test_exactly_twice_the_size_is_room(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = two_generations(tmp_path)
+    size = (store.snapshot_dirs["local"] / ID.filename("a")).stat().st_size
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10 * size, 8 * size, 2 * size))
+    assert store.begin_save(ID).retired is not None
+
+
+def test_files_still_being_deleted_count_against_the_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several saves at once on one disk: each writes its new file while its old one may not be freed
+    yet, so the room asked of the next one includes what the others moved aside and did not delete."""
+    store = two_generations(tmp_path)
+    other = SnapshotIdentity(server="local", provider="p", model="m", session_id="s2")
+    for revision, tokens in ((1, 10), (2, 20)):
+        plan = store.begin_save(other)
+        store.commit_save(plan, server_writes(plan, tokens), fingerprint=FP, revision=revision)
+    d = store.snapshot_dirs["local"]
+    size_a = (d / ID.filename("a")).stat().st_size
+    size_b = (d / other.filename("a")).stat().st_size
+    usage = namedtuple("usage", "total used free")
+    free = 2 * (size_a + size_b) - 1  # room for either alone, not for the second while the first is pending
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(100 * free, 50 * free, free))
+    first = store.begin_save(ID)
+    assert first.retired is not None
+    second = store.begin_save(other)
+    assert second.retired is None and not (d / other.filename("a")).exists()  # deleted in place instead
+    store.commit_save(second, server_writes(second, 15), fingerprint=FP, revision=3)
+    store.drop_retired(first)  # the first one's old file is gone: its bytes no longer count
+    third = store.begin_save(other)
+    assert third.retired is not None
+    store.abort_save(third)
+    store.abort_save(first)
+    assert store.inflight() == set()
+
+
+def test_the_drop_releases_its_claim_even_when_the_delete_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = two_generations(tmp_path)
+    plan = store.begin_save(ID)
+    assert plan.retired is not None and ("local", plan.retired) in store.inflight()
+    real_unlink = os.unlink
+
+    def eio(name: Any, *a: Any, **kw: Any) -> None:
+        if name == plan.retired:
+            raise OSError(5, "EIO")
+        real_unlink(name, *a, **kw)
+
+    monkeypatch.setattr(os, "unlink", eio)
+    store.drop_retired(plan)
+    store.commit_save(plan, server_writes(plan, 30), fingerprint=FP, revision=3)  # drops again: EIO again
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    assert store.inflight() == set()
+    assert [f.name for f in store.loose_files()] == [plan.retired]  # retention's to collect, not lost
+
+
+def test_the_fresh_name_is_claimed_before_it_exists(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = two_generations(tmp_path)
+    real_rename = os.rename
+    claimed_then: list[bool] = []
+
+    def rename(src: Any, dst: Any, **kw: Any) -> None:
+        claimed_then.append(("local", dst) in store.inflight())
+        real_rename(src, dst, **kw)
+
+    monkeypatch.setattr(os, "rename", rename)
+    plan = store.begin_save(ID)
+    assert plan.retired is not None and claimed_then == [True]
+
+
+def test_the_kept_generation_is_never_moved(tmp_path: Path) -> None:
+    store = two_generations(tmp_path)
+    d = store.snapshot_dirs["local"]
+    kept_inode = (d / ID.filename("b")).stat().st_ino
+    plan = store.begin_save(ID)
+    assert plan.kept == "b" and plan.generation == "a" and plan.retired is not None
+    assert (d / ID.filename("b")).stat().st_ino == kept_inode
+
+
+@pytest.mark.parametrize("swapped", ["directory", "symlink", "fifo"])
+def test_an_entry_swapped_in_after_the_check_is_not_moved_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swapped: str
+) -> None:
+    """The check saw our file; by the rename something else stands at the name. It is put back and
+    handled as a planted entry: a directory refuses the save, a link or FIFO is removed itself."""
+    store = two_generations(tmp_path)
+    d = store.snapshot_dirs["local"]
+    target = d / ID.filename("a")
+    outside = tmp_path / "victim"
+    outside.write_bytes(b"precious")
+    real_room = saving._room_for
+
+    def swap(path: Path, nbytes: int) -> bool:  # runs between the lstat and the rename
+        target.unlink()
+        if swapped == "directory":
+            target.mkdir()
+            (target / "inside").write_bytes(b"x")
+        elif swapped == "symlink":
+            target.symlink_to(outside)
+        else:
+            os.mkfifo(target)
+        return real_room(path, nbytes)
+
+    monkeypatch.setattr(saving, "_room_for", swap)
+    if swapped == "directory":
+        with pytest.raises(SaveFailed):
+            store.begin_save(ID)
+        assert (target / "inside").read_bytes() == b"x"  # put back, nothing deleted inside
+    else:
+        plan = store.begin_save(ID)
+        assert plan.retired is None and not os.path.lexists(target)
+        store.abort_save(plan)
+    assert outside.read_bytes() == b"precious"
+    assert snap_names(store) - {ID.filename("a")} == {ID.filename("b")}  # no entry left at a fresh name
+    assert store.inflight() == set()
 
 
 def test_a_failed_rename_falls_back_to_removal_and_claims_nothing(
@@ -230,3 +351,69 @@ async def test_the_deletion_runs_beside_the_servers_write_and_is_over_when_the_s
     assert store.loose_files() == []
     result, _, _, cache_n = await h.turn("A")
     assert result.outcome == "restored" and cache_n == result.restored_tokens
+
+
+async def test_a_save_cancelled_while_its_plan_is_made_leaves_no_old_file_behind(h: Harness) -> None:
+    """Cancelling the save's task does not stop the thread making its plan, which claims names and moves
+    the old file aside: the plan is ended when it comes (names unclaimed, old file deleted)."""
+    for s in ("A", "B", "A", "B", "A"):  # A has two generations, A resident
+        await h.turn(s)
+    store = h.coordinator.store
+    original = store.begin_save
+    entered, release = threading.Event(), threading.Event()
+    plans: list[SavePlan] = []
+
+    def slow_begin(identity: Any, **kw: Any) -> SavePlan:
+        entered.set()
+        assert release.wait(10)
+        plan = original(identity, **kw)
+        plans.append(plan)
+        return plan
+
+    store.begin_save = slow_begin  # type: ignore[method-assign]
+    turn = asyncio.ensure_future(h.coordinator.acquire("B", provider="local", model="m"))
+    assert await asyncio.to_thread(entered.wait, 10)
+    turn.cancel()  # shutdown's bound on checkpoints, or the server cancelling a request
+    with pytest.raises(asyncio.CancelledError):
+        await turn
+    release.set()
+    d = store.snapshot_dirs["local"]
+
+    def ended() -> bool:
+        return bool(plans) and not (d / str(plans[0].retired)).exists() and store.inflight() == set()
+
+    for _ in range(500):
+        if ended():
+            break
+        await asyncio.sleep(0.01)
+    assert plans and plans[0].retired is not None
+    assert ended(), f"left behind: {sorted(p.name for p in d.iterdir())}, claimed {store.inflight()}"
+
+
+async def test_a_save_whose_old_file_is_slow_to_delete_still_ends_saved(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit does not wait for the deletion started beside the write (the commit deletes the file
+    itself if need be): nothing between the manifest write and the SAVED state can be interrupted by it."""
+    for s in ("A", "B", "A", "B", "A"):
+        await h.turn(s)
+    store = h.coordinator.store
+    rt = h.coordinator.sessions.get(key("A"))
+    assert rt is not None and rt.dirty
+    release = threading.Event()
+    original_drop = store.drop_retired
+
+    def stuck_drop(plan: SavePlan) -> None:  # a 30 GB file: seconds
+        release.wait(10)
+        original_drop(plan)
+
+    monkeypatch.setattr(store, "drop_retired", stuck_drop)
+    try:
+        assert await asyncio.wait_for(h.coordinator.checkpoints.checkpoint(rt, "flush"), 5)
+        assert rt.state is SessionState.ACTIVE_CLEAN and not rt.dirty  # saved, still resident
+        m = store.get(key("A"))
+        assert m is not None and m.current is not None
+        assert {p.name for p in store.snapshot_dirs["local"].iterdir()} >= {m.generations[m.current].filename}
+        assert not [f for f in store.loose_files()]  # the old file was deleted by the commit itself
+    finally:
+        release.set()
