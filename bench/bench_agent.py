@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -535,9 +536,11 @@ async def run_kvsidecar(
             driver = KvDriver(kv, p.hint)
             await seed_sessions(driver, server.base_url, sessions, kv)
             unlink_seeds(server, sessions)
-            before, t0 = await kv.metrics_text(), time.time()
+            assert daemon.proc is not None
+            proc = psutil.Process(daemon.proc.pid)
+            before, t0, cpu0 = await kv.metrics_text(), time.time(), proc.cpu_times()
             turns = await drive(driver, sessions, p, think, p.turns)
-            t1, after = time.time(), await kv.metrics_text()
+            t1, cpu1, after = time.time(), proc.cpu_times(), await kv.metrics_text()
             status = await kv.status()
         finally:
             await kv.aclose()
@@ -548,6 +551,8 @@ async def run_kvsidecar(
         "t0": t0,
         "t1": t1,
         "metrics": metrics_delta(before, after),
+        # the daemon's own CPU over the measured phase (on 2 cores it is taken from llama-server's)
+        "daemon_cpu_s": (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system),
         "saves": save_intervals(events := log_events(daemon.log_path.read_text(errors="replace")), t0, t1),
         "switch_events": switch_events(events, t0, t1),
         "status_stats": status.get("stats"),
@@ -869,6 +874,10 @@ def summarise(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]
         "own_save_waits": sum(1 for r in rows if r["own_save_ms"] > 0),
         "own_save_wait_s": sum(r["own_save_ms"] for r in rows) / 1000,
         "makespan_s": (max(r["t_end"] for r in rows) - min(r["t_ready"] for r in rows)) if rows else 0.0,
+        # llama-server's prefill speed in this run (its own prompt_ms per new token): how fast the machine
+        # was, which moves from run to run by more than the policies differ
+        "prefill_ms_per_token_p50": p50([r["prompt_ms"] / r["prompt_n"] for r in rows if r["prompt_n"] > 20]),
+        "daemon_cpu_s": run.get("daemon_cpu_s"),
     }
 
 

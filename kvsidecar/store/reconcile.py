@@ -26,7 +26,7 @@ from kvsidecar.store.atomic import SHARED_TEMP_AGE_S
 from kvsidecar.store.confined import ConfinedDir, Entry, problem
 from kvsidecar.store.layout import StoreLayout
 from kvsidecar.store.manifest import GenerationRecord
-from kvsidecar.store.naming import parse_snapshot_name
+from kvsidecar.store.naming import parse_snapshot_name, staging_filename
 from kvsidecar.store.table import FILE_MISSING, FILE_UNSAFE, SIZE_MISMATCH, ManifestTable
 
 log = logging.getLogger("kvsidecar.store")
@@ -135,13 +135,52 @@ class Reconciler:
         return self._unlink_loose(d, loose)
 
     def _unlink_loose(self, d: ConfinedDir, loose: LooseFile) -> bool:
+        """The re-check and the deletion must be one step against the table (no save adopts the name in
+        between), but freeing a large file takes time in proportion to its size (seconds at 5-30 GB), and
+        every manifest lookup waits for the table meanwhile. So an orphan snapshot is renamed, under the
+        table, to a fresh name it claims, and deleted after; other loose files are small."""
+        parsed = parse_snapshot_name(loose.name) if loose.kind == "orphan" else None
+        aside: str | None = None
         with self.table.holding_claims(loose.name) as unclaimed:
             if loose.kind == "orphan" and not unclaimed:
                 return False
-            try:
-                return d.unlink(loose.name) is not None
-            except (KvError, OSError) as exc:
-                raise MetadataIO(f"cannot delete {loose.name[:40]}: {exc}") from None
+            if parsed is not None:
+                aside = self._set_aside(d, loose.area, loose.name, staging_filename(*parsed))
+            if aside is None:
+                try:
+                    return d.unlink(loose.name) is not None
+                except (KvError, OSError) as exc:
+                    raise MetadataIO(f"cannot delete {loose.name[:40]}: {exc}") from None
+        try:
+            d.unlink(aside)
+            return True
+        except (KvError, OSError) as exc:  # left under the fresh name: an orphan for the next run
+            raise MetadataIO(f"cannot delete {loose.name[:40]}: {exc}") from None
+        finally:
+            self.table.writing_ended(loose.area, aside)
+
+    def _set_aside(self, d: ConfinedDir, area: str, name: str, aside: str) -> str | None:
+        """With the table held: rename the regular file at `name` to `aside` (a fresh name of ours, not
+        taken) and claim that; None when it is not moved (the caller deletes it in place)."""
+        try:
+            with d.fd() as dfd:
+                st = os.stat(d.check(name), dir_fd=dfd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    return None
+                try:
+                    os.stat(d.check(aside), dir_fd=dfd, follow_symlinks=False)
+                    return None  # taken: never rename over it
+                except FileNotFoundError:
+                    pass
+                self.table.claim_held(area, aside)
+                try:
+                    os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
+                except OSError:
+                    self.table.unclaim_held(area, aside)
+                    return None
+        except (KvError, OSError):
+            return None
+        return aside
 
     def recheck_file(self, server: str, filename: str) -> str | None:
         """An event on a snapshot file: if it no longer matches its record, mark it. Returns the reason.

@@ -59,7 +59,7 @@ class ManifestTable:
         # Held across each read-modify-write of a manifest (read, change, durable write): two threads that
         # change one manifest (the watcher marking a file, a save committing) never lose either change.
         self._update = threading.RLock()
-        # guards the five fields below; any thread; held across I/O only by `holding_claims` (one unlink)
+        # guards the five fields below; any thread; held across I/O only by `holding_claims` (one rename)
         self._lock = threading.Lock()
         self._manifests: dict[str, Manifest] = {}  # key -> manifest
         self._bad: dict[str, str] = {}  # refused manifest file name -> "REASON: detail"
@@ -202,9 +202,16 @@ class ManifestTable:
     @contextlib.contextmanager
     def holding_claims(self, name: str) -> Iterator[bool]:
         """Whether `name` is unclaimed, with the index held still meanwhile: no save can adopt the name
-        (nor a manifest start referencing it) while the caller acts on the answer, e.g. deletes the file."""
+        (nor a manifest start referencing it) while the caller acts on the answer, e.g. renames the file."""
         with self._lock:
             yield not self._claimed(name)
+
+    def claim_held(self, server: str, filename: str) -> None:
+        """`writing_started`, for a caller inside `holding_claims` (which holds the lock already)."""
+        self._inflight.add((server, filename))
+
+    def unclaim_held(self, server: str, filename: str) -> None:
+        self._inflight.discard((server, filename))
 
     # writes ------------------------------------------------------------------------------------------
     @contextlib.contextmanager

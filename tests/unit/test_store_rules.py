@@ -8,12 +8,15 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvsidecar.config import RetentionConfig
+from kvsidecar.errors import MetadataIO
 from kvsidecar.metrics import Metrics
 from kvsidecar.retention import Disk, Policy, RetentionJob, free_floor_bytes
+from kvsidecar.store.reconcile import LooseFile
 from kvsidecar.store.snapshots import FILE_MISSING, SIZE_MISMATCH, SnapshotStore
 from kvsidecar.store.watcher import SnapshotWatcher
 from tests.unit.test_store import FP, ID, Clock, save, server_writes
@@ -151,3 +154,73 @@ def test_one_free_disk_floor(
     assert got == floor
     policy = Policy(min_free_bytes=min_bytes, min_free_percent=percent)
     assert policy.floor(Disk(total_bytes=total, free_bytes=0)) == floor
+
+
+class _UnlinkSpy:
+    """Records, for each unlink in the snapshot directory, whether the manifest table was free meanwhile."""
+
+    def __init__(
+        self, store: SnapshotStore, monkeypatch: pytest.MonkeyPatch, fail: str | None = None
+    ) -> None:
+        self.store, self.fail = store, fail
+        self.real = os.unlink
+        self.seen: list[tuple[str, bool]] = []
+        monkeypatch.setattr(os, "unlink", self)
+
+    def __call__(self, name: Any, *args: Any, **kwargs: Any) -> None:
+        lock = self.store.table._lock
+        free = lock.acquire(blocking=False)
+        if free:
+            lock.release()
+        self.seen.append((str(name), free))
+        if self.fail is not None and str(name).endswith(".bin") and str(name) != self.fail:
+            raise OSError(5, "EIO")
+        self.real(name, *args, **kwargs)
+
+
+def test_an_orphan_is_freed_without_holding_the_manifest_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Freeing a 30 GB orphan takes seconds, and every manifest lookup (on the event loop) waits for the
+    table: the orphan is renamed to a fresh claimed name under the table and deleted after."""
+    store = SnapshotStore(state_dir=tmp_path / "state", snapshot_dirs={"local": tmp_path / "snaps"})
+    store.open()
+    name = "e" * 32 + ".b.bin"
+    (tmp_path / "snaps" / name).write_bytes(b"left behind by a crash")
+    spy = _UnlinkSpy(store, monkeypatch)
+    [loose] = store.loose_files(temp=False)
+    assert store.delete_loose(loose) is True
+    deleted = [(n, free) for n, free in spy.seen if n.endswith(".bin")]
+    assert len(deleted) == 1 and deleted[0][1], f"unlinked with the table held: {deleted}"
+    assert deleted[0][0] != name and deleted[0][0].startswith("e" * 32 + ".b.")  # its fresh name
+    assert list((tmp_path / "snaps").iterdir()) == [] and store.inflight() == set()
+
+
+def test_an_orphan_that_fails_to_delete_is_left_to_the_next_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = SnapshotStore(state_dir=tmp_path / "state", snapshot_dirs={"local": tmp_path / "snaps"})
+    store.open()
+    name = "e" * 32 + ".a.bin"
+    (tmp_path / "snaps" / name).write_bytes(b"left behind by a crash")
+    _UnlinkSpy(store, monkeypatch, fail=name)
+    [loose] = store.loose_files(temp=False)
+    with pytest.raises(MetadataIO):
+        store.delete_loose(loose)
+    monkeypatch.undo()
+    assert store.inflight() == set()  # its fresh name is nobody's claim: the next run finds it
+    [again] = store.loose_files(temp=False)
+    assert again.name != name and again.kind == "orphan"
+    assert store.delete_loose(again) is True
+    assert list((tmp_path / "snaps").iterdir()) == []
+
+
+def test_an_orphan_adopted_before_the_deletion_is_kept(tmp_path: Path) -> None:
+    store = SnapshotStore(state_dir=tmp_path / "state", snapshot_dirs={"local": tmp_path / "snaps"})
+    store.open()
+    plan = store.begin_save(ID)  # the name is claimed from here on
+    plan.path.write_bytes(b"being written")
+    stale = LooseFile(area="local", name=plan.filename, bytes=13, mtime=0.0, kind="orphan")
+    assert store.delete_loose(stale) is False  # listed before the save claimed it: not deleted
+    assert plan.path.read_bytes() == b"being written"
+    assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == [plan.filename]
