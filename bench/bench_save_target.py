@@ -12,6 +12,11 @@ incoming session's restore (the part of a switch before its prefill):
 
 `--state clean` syncs the disk before each round (an older generation written a while ago); `dirty` leaves the
 previous rounds' pages unwritten (a generation written seconds ago).
+
+`--incoming cold` drops the incoming session's file from the page cache before each round
+(POSIX_FADV_DONTNEED; on a VM the host may still cache it) and compares two ways only: aside, and
+aside+preread, which first asks the kernel to read the incoming file (POSIX_FADV_WILLNEED, as kvsidecar does
+before a switch's save), so that the read overlaps the save instead of following it.
 """
 
 from __future__ import annotations
@@ -35,17 +40,28 @@ from kvsidecar.testing.llama import LlamaServer, llama_server_binary, vocab_dir,
 from kvsidecar.testing.models import LLAMA3_8B_GEOMETRY, generate_llama_model
 
 WAYS = ("unlink-first", "aside", "overwrite", "keep-until-after")
+COLD_WAYS = ("aside", "aside+preread")
+
+
+def advise(path: Path, advice: int) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, advice)
+    finally:
+        os.close(fd)
 
 
 def one_round(http: httpx.Client, base: str, snaps: Path, way: str, name: str) -> dict[str, float]:
     target, retired = snaps / name, snaps / "retired.bin"
     dropper: threading.Thread | None = None
     t0 = time.perf_counter()
+    if way == "aside+preread":
+        advise(snaps / "incoming.bin", os.POSIX_FADV_WILLNEED)
     if way == "unlink-first":
         target.unlink()
-    elif way in ("aside", "keep-until-after"):
+    elif way in ("aside", "aside+preread", "keep-until-after"):
         target.rename(retired)
-        if way == "aside":
+        if way != "keep-until-after":
             dropper = threading.Thread(target=retired.unlink)
             dropper.start()
     saved = http.post(f"{base}/slots/0?action=save", json={"filename": name})
@@ -67,7 +83,7 @@ def one_round(http: httpx.Client, base: str, snaps: Path, way: str, name: str) -
     }
 
 
-def run(work: Path, rounds: int, n_words: int, state: str) -> dict[str, Any]:
+def run(work: Path, rounds: int, n_words: int, state: str, incoming: str) -> dict[str, Any]:
     binary = llama_server_binary()
     model = generate_llama_model(LLAMA3_8B_GEOMETRY, vocab_dir=vocab_dir(binary))
     snaps = work / "snaps"
@@ -80,7 +96,8 @@ def run(work: Path, rounds: int, n_words: int, state: str) -> dict[str, Any]:
         extra_args=("--cache-ram", "0"),
     )
     llama.start()
-    rows: dict[str, list[dict[str, float]]] = {w: [] for w in WAYS}
+    ways = COLD_WAYS if incoming == "cold" else WAYS
+    rows: dict[str, list[dict[str, float]]] = {w: [] for w in ways}
     try:
         with httpx.Client(timeout=600) as http:
             body = {"prompt": words("A", n_words), "n_predict": 1, "cache_prompt": True, "id_slot": 0}
@@ -88,10 +105,12 @@ def run(work: Path, rounds: int, n_words: int, state: str) -> dict[str, Any]:
             for name in ("g0.bin", "g1.bin", "incoming.bin"):
                 http.post(f"{llama.base_url}/slots/0?action=save", json={"filename": name}).raise_for_status()
             size = (snaps / "g0.bin").stat().st_size
-            for i in range(rounds * len(WAYS)):
-                way = WAYS[(i + i // len(WAYS)) % len(WAYS)]  # rotate which way follows which
+            for i in range(rounds * len(ways)):
+                way = ways[(i + i // len(ways)) % len(ways)]  # rotate which way follows which
                 if state == "clean":
                     os.sync()
+                if incoming == "cold":
+                    advise(snaps / "incoming.bin", os.POSIX_FADV_DONTNEED)
                 time.sleep(0.5)
                 rows[way].append(one_round(http, llama.base_url, snaps, way, f"g{i % 2}.bin"))
     finally:
@@ -101,6 +120,7 @@ def run(work: Path, rounds: int, n_words: int, state: str) -> dict[str, Any]:
         "model": "llama3-8b-geometry",
         "file_bytes": size,
         "state": state,
+        "incoming": incoming,
         "rounds": rounds,
         "p50": p50,
         "rows": rows,
@@ -112,11 +132,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=8, help="rounds per way")
     parser.add_argument("--words", type=int, default=1700, help="history in generated words (~2,900 tokens)")
     parser.add_argument("--state", choices=("clean", "dirty"), default="clean")
+    parser.add_argument("--incoming", choices=("cached", "cold"), default="cached")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        result = run(Path(tmp), args.rounds, args.words, args.state)
-    print(write(f"save_target_{args.state}", result))
-    print(f"{result['file_bytes'] / 1e6:,.0f} MB slot files, old file {args.state}; p50 ms:")
+        result = run(Path(tmp), args.rounds, args.words, args.state, args.incoming)
+    name = f"save_target_{args.state}" + ("_cold_incoming" if args.incoming == "cold" else "")
+    print(write(name, result))
+    print(
+        f"{result['file_bytes'] / 1e6:,.0f} MB slot files, old file {args.state}, incoming {args.incoming}; p50 ms:"
+    )
     for way, p in result["p50"].items():
         print(
             f"  {way:17} save + restore {p['path_ms']:7.1f}  (save {p['save_ms']:6.1f}, "

@@ -134,7 +134,7 @@ class ConfinedDir:
         self.check(name)
         allowed = uids if uids is not None else self.expected_uids()
         with self.fd() as dfd:
-            first = _lstat_or_none(name, dfd)
+            first = lstat_at(name, dfd)
             if first is None:
                 raise SnapshotNotFound(f"{name[:40]}: no such file")
             if not stat.S_ISREG(first.st_mode):
@@ -160,7 +160,7 @@ class ConfinedDir:
         alone (UnsafeFile): nothing is ever deleted recursively."""
         self.check(name)
         with self.fd() as dfd:
-            st = _lstat_or_none(name, dfd)
+            st = lstat_at(name, dfd)
             if st is None:
                 return None
             if stat.S_ISDIR(st.st_mode):
@@ -180,7 +180,7 @@ class ConfinedDir:
                 for name in os.listdir(dfd):
                     if not self.names.match(name):
                         continue
-                    st = _lstat_or_none(name, dfd)
+                    st = lstat_at(name, dfd)
                     if st is not None:
                         out.append(Entry(name, st))
         except SnapshotNotFound:
@@ -188,7 +188,7 @@ class ConfinedDir:
         return out
 
 
-def _lstat_or_none(name: str, dfd: int) -> os.stat_result | None:
+def lstat_at(name: str, dfd: int) -> os.stat_result | None:
     try:
         return os.stat(name, dir_fd=dfd, follow_symlinks=False)
     except FileNotFoundError:

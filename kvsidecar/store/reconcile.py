@@ -23,10 +23,10 @@ from typing import Literal
 from kvsidecar.errors import KvError, MetadataIO
 from kvsidecar.logs import event
 from kvsidecar.store.atomic import SHARED_TEMP_AGE_S
-from kvsidecar.store.confined import ConfinedDir, Entry, problem
+from kvsidecar.store.confined import ConfinedDir, Entry, lstat_at, problem
 from kvsidecar.store.layout import StoreLayout
 from kvsidecar.store.manifest import GenerationRecord
-from kvsidecar.store.naming import parse_snapshot_name, staging_filename
+from kvsidecar.store.naming import Generation, parse_snapshot_name, staging_filename
 from kvsidecar.store.table import FILE_MISSING, FILE_UNSAFE, SIZE_MISMATCH, ManifestTable
 
 log = logging.getLogger("kvsidecar.store")
@@ -125,56 +125,72 @@ class Reconciler:
             return False
         if self.layout.shared:
             # Fleet: another host may be writing it (its in-flight set is not ours): only old ones, and an
-            # orphan only under the key's fence, against its manifest as it is on the shared disk now.
+            # orphan only under the key's fence, against its manifest as it is on the shared disk now. The
+            # fence covers the re-check and the rename; the slow unlink of the fresh name comes after it.
             if loose.area != "state" and time.time() - loose.mtime < SHARED_TEMP_AGE_S:
                 return False
             if parsed is not None:
                 with self.table.fenced(parsed[0], "orphan delete"):
                     self.table.reload(parsed[0])
-                    return self._unlink_loose(d, loose)
-        return self._unlink_loose(d, loose)
+                    taken = self._take_loose(d, loose)
+                return self._free(d, loose, taken)
+        return self._free(d, loose, self._take_loose(d, loose))
 
-    def _unlink_loose(self, d: ConfinedDir, loose: LooseFile) -> bool:
+    def _take_loose(self, d: ConfinedDir, loose: LooseFile) -> bool | str:
         """The re-check and the deletion must be one step against the table (no save adopts the name in
         between), but freeing a large file takes time in proportion to its size (seconds at 5-30 GB), and
-        every manifest lookup waits for the table meanwhile. So an orphan snapshot is renamed, under the
-        table, to a fresh name it claims, and deleted after; other loose files are small."""
+        every manifest lookup waits for the table meanwhile. So an orphan snapshot is renamed, with the
+        table held, to a fresh name it claims (returned, for `_free`). Anything else is deleted here and
+        the outcome returned: other loose files are small, and if the rename fails (ENOSPC, say) the file
+        is deleted in place, slow as that is: freeing space is what retention is there for."""
         parsed = parse_snapshot_name(loose.name) if loose.kind == "orphan" else None
-        aside: str | None = None
         with self.table.holding_claims(loose.name) as unclaimed:
             if loose.kind == "orphan" and not unclaimed:
                 return False
-            if parsed is not None:
-                aside = self._set_aside(d, loose.area, loose.name, staging_filename(*parsed))
-            if aside is None:
-                try:
-                    return d.unlink(loose.name) is not None
-                except (KvError, OSError) as exc:
-                    raise MetadataIO(f"cannot delete {loose.name[:40]}: {exc}") from None
+            aside = self._set_aside(d, loose.area, loose.name, parsed) if parsed is not None else None
+            if aside is not None:
+                return aside
+            try:
+                return d.unlink(loose.name) is not None
+            except (KvError, OSError) as exc:
+                raise MetadataIO(f"cannot delete {loose.name[:40]}: {exc}") from None
+
+    def _free(self, d: ConfinedDir, loose: LooseFile, taken: bool | str) -> bool:
+        """Unlink the fresh name `_take_loose` moved an orphan to (nothing held), then end its claim; if
+        that fails, the file stays under the fresh name, unclaimed: an orphan for the next run."""
+        if isinstance(taken, bool):
+            return taken
         try:
-            d.unlink(aside)
-            return True
-        except (KvError, OSError) as exc:  # left under the fresh name: an orphan for the next run
+            return d.unlink(taken) is not None
+        except (KvError, OSError) as exc:
             raise MetadataIO(f"cannot delete {loose.name[:40]}: {exc}") from None
         finally:
-            self.table.writing_ended(loose.area, aside)
+            self.table.writing_ended(loose.area, taken)
 
-    def _set_aside(self, d: ConfinedDir, area: str, name: str, aside: str) -> str | None:
-        """With the table held: rename the regular file at `name` to `aside` (a fresh name of ours, not
-        taken) and claim that; None when it is not moved (the caller deletes it in place)."""
+    def _set_aside(self, d: ConfinedDir, area: str, name: str, parsed: tuple[str, Generation]) -> str | None:
+        """With the table held: rename the regular file at `name` to a fresh name of ours that nothing is at
+        and nobody claims (a save's staging or moved-aside name is claimed before its file exists), and
+        claim it. None when it is not moved (the caller deletes it in place)."""
         try:
             with d.fd() as dfd:
-                st = os.stat(d.check(name), dir_fd=dfd, follow_symlinks=False)
-                if not stat.S_ISREG(st.st_mode):
+                st = lstat_at(d.check(name), dfd)
+                if st is None or not stat.S_ISREG(st.st_mode):
+                    return None
+                for _ in range(3):  # 32 random bits each: a second draw is already a curiosity
+                    aside = d.check(staging_filename(*parsed))
+                    if lstat_at(aside, dfd) is None and self.table.claim_held(area, aside):
+                        break
+                else:
                     return None
                 try:
-                    os.stat(d.check(aside), dir_fd=dfd, follow_symlinks=False)
-                    return None  # taken: never rename over it
-                except FileNotFoundError:
-                    pass
-                self.table.claim_held(area, aside)
-                try:
                     os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    moved = lstat_at(aside, dfd)
+                    same = moved is not None and (moved.st_dev, moved.st_ino) == (st.st_dev, st.st_ino)
+                    if moved is None or not same or not stat.S_ISREG(moved.st_mode):  # (inodes get reused)
+                        # swapped in after the check: put back, for the caller to refuse or remove itself
+                        if moved is not None and lstat_at(name, dfd) is None:
+                            os.rename(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                        raise FileExistsError(name)
                 except OSError:
                     self.table.unclaim_held(area, aside)
                     return None

@@ -23,7 +23,7 @@ from kvsidecar.backend.base import SaveResult
 from kvsidecar.errors import KvError, SaveFailed, SnapshotCorrupt, SnapshotError
 from kvsidecar.logs import event
 from kvsidecar.store.candidates import VerifiedFiles, file_id, verify_generation
-from kvsidecar.store.confined import UNSAFE, UnsafeFile, describe, problem
+from kvsidecar.store.confined import UNSAFE, UnsafeFile, describe, lstat_at, problem
 from kvsidecar.store.fingerprint import RuntimeFingerprint
 from kvsidecar.store.fingerprint_records import FingerprintRecords
 from kvsidecar.store.integrity import Header, checksum_from_fd, header_from_fd
@@ -58,13 +58,6 @@ def _room_for(path: Path, nbytes: int) -> bool:
         return shutil.disk_usage(path).free >= nbytes
     except OSError:
         return False
-
-
-def _lstat_at(name: str, dfd: int) -> os.stat_result | None:
-    try:
-        return os.stat(name, dir_fd=dfd, follow_symlinks=False)
-    except FileNotFoundError:
-        return None
 
 
 class SavePlanner:
@@ -201,16 +194,17 @@ class SavePlanner:
         server = identity.server
         d = self.layout.snap[server]
         retired = staging_filename(identity.key, gen)
-        self.table.writing_started(server, retired)
+        if not self.table.claim_fresh(server, retired):  # a save's staging name, or retention's (2^-32)
+            return None
         try:
             with d.fd() as dfd:
-                if _lstat_at(retired, dfd) is not None:  # a fresh random name taken: never rename over it
+                if lstat_at(retired, dfd) is not None:  # a fresh random name taken: never rename over it
                     raise FileExistsError(retired)
                 os.rename(d.check(filename), d.check(retired), src_dir_fd=dfd, dst_dir_fd=dfd)
-                moved = _lstat_at(retired, dfd)
+                moved = lstat_at(retired, dfd)
                 same = moved is not None and (moved.st_dev, moved.st_ino) == (st.st_dev, st.st_ino)
                 if moved is None or not same or problem(moved, d.expected_uids()) is not None:
-                    if moved is not None and _lstat_at(filename, dfd) is None:
+                    if moved is not None and lstat_at(filename, dfd) is None:
                         os.rename(retired, filename, src_dir_fd=dfd, dst_dir_fd=dfd)
                     raise FileExistsError(filename)  # not our file: nothing was retired
         except (KvError, OSError):

@@ -59,7 +59,8 @@ class ManifestTable:
         # Held across each read-modify-write of a manifest (read, change, durable write): two threads that
         # change one manifest (the watcher marking a file, a save committing) never lose either change.
         self._update = threading.RLock()
-        # guards the five fields below; any thread; held across I/O only by `holding_claims` (one rename)
+        # guards the five fields below; any thread; held across I/O only by `holding_claims` (a rename, or
+        # the unlink of a small or unrenamable loose file)
         self._lock = threading.Lock()
         self._manifests: dict[str, Manifest] = {}  # key -> manifest
         self._bad: dict[str, str] = {}  # refused manifest file name -> "REASON: detail"
@@ -206,9 +207,18 @@ class ManifestTable:
         with self._lock:
             yield not self._claimed(name)
 
-    def claim_held(self, server: str, filename: str) -> None:
-        """`writing_started`, for a caller inside `holding_claims` (which holds the lock already)."""
+    def claim_held(self, server: str, filename: str) -> bool:
+        """For a caller inside `holding_claims` (which holds the lock already): claim `filename`, a fresh
+        name, as `writing_started` does; False (nothing claimed) if anyone claims it already."""
+        if self._claimed(filename):
+            return False
         self._inflight.add((server, filename))
+        return True
+
+    def claim_fresh(self, server: str, filename: str) -> bool:
+        """`claim_held` for a caller that does not hold the lock."""
+        with self._lock:
+            return self.claim_held(server, filename)
 
     def unclaim_held(self, server: str, filename: str) -> None:
         self._inflight.discard((server, filename))

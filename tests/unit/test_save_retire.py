@@ -417,3 +417,17 @@ async def test_a_save_whose_old_file_is_slow_to_delete_still_ends_saved(
         assert not [f for f in store.loose_files()]  # the old file was deleted by the commit itself
     finally:
         release.set()
+
+
+def test_a_fresh_name_someone_claims_is_never_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fleet save's staging name, or retention's, is claimed before its file exists: moving the old file
+    onto it would let the other party delete or end the claim of what it then finds there."""
+    store = two_generations(tmp_path)
+    taken = f"{ID.key}.a.0badc0de.bin"
+    store.table.writing_started("local", taken)
+    monkeypatch.setattr(saving, "staging_filename", lambda _k, _g: taken)
+    plan = store.begin_save(ID)
+    assert plan.retired is None and snap_names(store) == {ID.filename("b")}  # removed in place instead
+    assert ("local", taken) in store.inflight()
+    store.abort_save(plan)
+    assert store.inflight() == {("local", taken)}  # the other party's claim stands

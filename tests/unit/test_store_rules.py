@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import threading
 import time
@@ -16,6 +17,7 @@ from kvsidecar.config import RetentionConfig
 from kvsidecar.errors import MetadataIO
 from kvsidecar.metrics import Metrics
 from kvsidecar.retention import Disk, Policy, RetentionJob, free_floor_bytes
+from kvsidecar.store import reconcile as reconcile_module
 from kvsidecar.store.reconcile import LooseFile
 from kvsidecar.store.snapshots import FILE_MISSING, SIZE_MISMATCH, SnapshotStore
 from kvsidecar.store.watcher import SnapshotWatcher
@@ -224,3 +226,219 @@ def test_an_orphan_adopted_before_the_deletion_is_kept(tmp_path: Path) -> None:
     assert store.delete_loose(stale) is False  # listed before the save claimed it: not deleted
     assert plan.path.read_bytes() == b"being written"
     assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == [plan.filename]
+
+
+ORPHAN_KEY = "e" * 32
+
+
+def _table_held(store: SnapshotStore) -> bool:
+    lock = store.table._lock
+    free = lock.acquire(blocking=False)
+    if free:
+        lock.release()
+    return not free
+
+
+def _one_store(tmp_path: Path) -> SnapshotStore:
+    store = SnapshotStore(state_dir=tmp_path / "state", snapshot_dirs={"local": tmp_path / "snaps"})
+    store.open()
+    return store
+
+
+def test_an_orphan_is_renamed_with_the_table_held_and_its_fresh_name_claimed_until_unlinked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The re-check and the rename are one step; the fresh name is nobody's orphan while it is freed."""
+    store = _one_store(tmp_path)
+    name = ORPHAN_KEY + ".b.bin"
+    (tmp_path / "snaps" / name).write_bytes(b"orphan")
+    renames: list[tuple[str, str, bool]] = []
+    unlinks: list[tuple[str, bool, set[tuple[str, str]], list[str]]] = []
+    real_rename, real_unlink = os.rename, os.unlink
+
+    def rename(src: Any, dst: Any, *a: Any, **k: Any) -> None:
+        renames.append((str(src), str(dst), _table_held(store)))
+        real_rename(src, dst, *a, **k)
+
+    def unlink(p: Any, *a: Any, **k: Any) -> None:
+        held = _table_held(store)
+        listed = [] if held else [f.name for f in store.loose_files(temp=False)]
+        unlinks.append((str(p), held, set() if held else store.inflight(), listed))
+        real_unlink(p, *a, **k)
+
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(os, "unlink", unlink)
+    [loose] = store.loose_files(temp=False)
+    assert store.delete_loose(loose) is True
+    [(src, aside, held)] = renames
+    assert src == name and held, "renamed with the table free: a save could adopt the name in between"
+    [(gone, held_then, claims, listed)] = [u for u in unlinks if u[0].endswith(".bin")]
+    assert gone == aside and not held_then
+    assert ("local", aside) in claims and listed == []  # claimed: no listing offers it meanwhile
+    assert store.inflight() == set()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink"])
+def test_a_link_at_an_orphan_name_is_removed_itself(tmp_path: Path, kind: str) -> None:
+    store = _one_store(tmp_path)
+    save(store, 10)
+    good = tmp_path / "snaps" / ID.filename("a")
+    before = good.read_bytes()
+    at = tmp_path / "snaps" / (ORPHAN_KEY + ".a.bin")
+    if kind == "symlink":
+        at.symlink_to(good)
+    else:
+        os.link(good, at)
+    [loose] = store.loose_files(temp=False)
+    assert store.delete_loose(loose) is True
+    assert not os.path.lexists(at) and good.read_bytes() == before and os.stat(good).st_nlink == 1
+    assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == [good.name]
+    assert store.find_restorable(ID, FP)[0] is not None
+
+
+@pytest.mark.parametrize("when", ["after the listing", "between the check and the rename"])
+def test_a_directory_swapped_in_at_an_orphan_name_is_refused_and_left_where_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    store = _one_store(tmp_path)
+    snaps = tmp_path / "snaps"
+    name = ORPHAN_KEY + ".a.bin"
+    (snaps / name).write_bytes(b"orphan")
+
+    def swap() -> None:
+        (snaps / name).unlink()
+        (snaps / name).mkdir()
+        (snaps / name / "precious").write_bytes(b"x")
+
+    [loose] = store.loose_files(temp=False)
+    if when == "after the listing":
+        swap()
+    else:
+        real_rename = os.rename
+
+        def rename(src: Any, dst: Any, *a: Any, **k: Any) -> None:
+            if str(src) == name:
+                swap()
+            real_rename(src, dst, *a, **k)
+
+        monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(MetadataIO):
+        store.delete_loose(loose)
+    monkeypatch.undo()
+    assert [p.name for p in snaps.iterdir()] == [name]  # put back under its own name, nothing inside lost
+    assert (snaps / name / "precious").read_bytes() == b"x"
+    assert store.inflight() == set()
+
+
+def test_a_crash_between_the_rename_and_the_unlink_leaves_an_orphan_the_next_daemon_collects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = _one_store(tmp_path)
+    snaps = tmp_path / "snaps"
+    name = ORPHAN_KEY + ".a.bin"
+    (snaps / name).write_bytes(b"orphan")
+    old = time.time() - 3600
+    os.utime(snaps / name, (old, old))
+
+    class Crash(BaseException):
+        pass
+
+    def unlink(*_a: Any, **_k: Any) -> None:
+        raise Crash
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    [loose] = store.loose_files(temp=False)
+    with pytest.raises(Crash):
+        store.delete_loose(loose)
+    monkeypatch.undo()
+    [left] = list(snaps.iterdir())
+    assert left.name != name and abs(left.stat().st_mtime - old) < 1  # a rename keeps the mtime
+    again = _one_store(tmp_path)  # the next daemon
+    [found] = again.loose_files(temp=False)
+    assert found.name == left.name and again.delete_loose(found) is True
+    assert list(snaps.iterdir()) == []
+
+
+@pytest.mark.parametrize("taken_how", ["on disk", "claimed by a save"])
+def test_a_fresh_name_that_is_taken_is_never_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, taken_how: str
+) -> None:
+    """A save claims its staging (fleet) or moved-aside name before the file exists: retention must not
+    move an orphan onto it, delete what the save then writes there, or end the save's claim."""
+    store = _one_store(tmp_path)
+    snaps = tmp_path / "snaps"
+    name = ORPHAN_KEY + ".a.bin"
+    (snaps / name).write_bytes(b"orphan")
+    taken = ORPHAN_KEY + ".a.0badf00d.bin"
+    if taken_how == "on disk":
+        (snaps / taken).write_bytes(b"someone's file")
+    else:
+        store.table.writing_started("local", taken)
+    names = iter([taken, ORPHAN_KEY + ".a.0000beef.bin"])
+    monkeypatch.setattr(reconcile_module, "staging_filename", lambda _k, _g: next(names))
+    [loose] = [f for f in store.loose_files(temp=False) if f.name == name]
+    assert store.delete_loose(loose) is True
+    assert not (snaps / name).exists() and not (snaps / (ORPHAN_KEY + ".a.0000beef.bin")).exists()
+    if taken_how == "on disk":
+        assert (snaps / taken).read_bytes() == b"someone's file"
+    else:
+        assert store.inflight() == {("local", taken)}  # the save's claim stands
+
+
+def test_a_failed_rename_ends_its_claim_and_deletes_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = _one_store(tmp_path)
+    name = ORPHAN_KEY + ".a.bin"
+    (tmp_path / "snaps" / name).write_bytes(b"orphan")
+
+    def rename(*_a: Any, **_k: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "rename", rename)
+    [loose] = store.loose_files(temp=False)
+    assert store.delete_loose(loose) is True  # freeing space is what retention is for, slow or not
+    assert store.inflight() == set() and list((tmp_path / "snaps").iterdir()) == []
+
+
+def test_fleet_the_fresh_name_is_unlinked_outside_the_keys_fence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Other hosts wait at most a few seconds for a key's fence: the seconds-long unlink of a large orphan
+    must not hold it (the re-check and the rename do)."""
+    store = SnapshotStore(
+        state_dir=tmp_path / "state",
+        snapshot_dirs={"local": tmp_path / "snaps"},
+        shared_dir=tmp_path / "meta",
+    )
+    store.open()
+    fence = store.fence_with(lambda _key: 1)
+    snaps = tmp_path / "snaps"
+    name = ORPHAN_KEY + ".a.bin"
+    (snaps / name).write_bytes(b"orphan")
+    old = time.time() - 3600
+    os.utime(snaps / name, (old, old))
+    renamed: list[bool] = []
+    unlinked: list[tuple[str, bool]] = []
+    real_rename, real_unlink = os.rename, os.unlink
+
+    def fenced() -> bool:
+        lock = fence._locks.get(ORPHAN_KEY)
+        return lock is not None and lock.locked()
+
+    def rename(src: Any, dst: Any, *a: Any, **k: Any) -> None:
+        renamed.append(fenced())
+        real_rename(src, dst, *a, **k)
+
+    def unlink(p: Any, *a: Any, **k: Any) -> None:
+        unlinked.append((str(p), fenced()))
+        real_unlink(p, *a, **k)
+
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(os, "unlink", unlink)
+    [loose] = store.loose_files(temp=False)
+    assert store.delete_loose(loose) is True
+    monkeypatch.undo()
+    [(gone, fenced_then)] = [u for u in unlinked if u[0].endswith(".bin")]
+    assert renamed == [True] and gone != name and not fenced_then
+    assert list(snaps.iterdir()) == []
