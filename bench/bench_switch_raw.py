@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -69,7 +70,19 @@ def prompt(session: str, n_words: int, turn: int) -> str:
     return words(session, n_words) + " " + words(f"{session}turn", 8 * (turn + 1))
 
 
-async def raw_phase(base: str, n_words: int, rounds: int, start_turn: int) -> list[dict[str, float]]:
+def drop_cached(snaps: Path | None) -> None:
+    """--cold: every slot file out of the page cache (POSIX_FADV_DONTNEED; on a VM the host may keep it)."""
+    for f in snaps.glob("*.bin") if snaps is not None else ():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+async def raw_phase(
+    base: str, n_words: int, rounds: int, start_turn: int, cold: Path | None = None
+) -> list[dict[str, float]]:
     rows = []
     async with httpx.AsyncClient(timeout=600, limits=_LIMITS) as http:
         for name in SESSIONS:  # each session's history, computed once and saved
@@ -79,6 +92,7 @@ async def raw_phase(base: str, n_words: int, rounds: int, start_turn: int) -> li
         current = SESSIONS[-1]
         for i in range(rounds):
             incoming = SESSIONS[i % 2]
+            drop_cached(cold)
             t0 = time.perf_counter()
             s = await http.post(f"{base}/slots/0?action=save", json={"filename": f"raw-{current}.bin"})
             t1 = time.perf_counter()
@@ -104,7 +118,7 @@ async def raw_phase(base: str, n_words: int, rounds: int, start_turn: int) -> li
 
 
 async def kvsidecar_phase(
-    daemon_url: str, base: str, n_words: int, rounds: int, model: str
+    daemon_url: str, base: str, n_words: int, rounds: int, model: str, cold: Path | None = None
 ) -> list[dict[str, float]]:
     rows = []
     async with (
@@ -113,6 +127,7 @@ async def kvsidecar_phase(
     ):
         for i in range(rounds + 2):  # the first two turns compute each history cold
             incoming = SESSIONS[i % 2]
+            drop_cached(cold)
             t0 = time.perf_counter()
             async with kv.acquire(incoming, provider="local", model=model) as lease:
                 t1 = time.perf_counter()
@@ -142,7 +157,9 @@ def med(rows: list[dict[str, float]], key: str) -> float:
 MODELS = {"gemma": ("gemma-3-270m Q4_K_M", 9728), "llama3-8b-geometry": ("llama3-8b-geometry", 4096)}
 
 
-async def run(work: Path, n_words: int, rounds: int, which: str, log_level: str) -> dict[str, Any]:
+async def run(
+    work: Path, n_words: int, rounds: int, which: str, log_level: str, cold: bool = False
+) -> dict[str, Any]:
     snaps = work / "snaps"
     binary = llama_server_binary()
     name, ctx = MODELS[which]
@@ -162,7 +179,8 @@ async def run(work: Path, n_words: int, rounds: int, which: str, log_level: str)
     )
     llama.start()
     try:
-        raw1 = await raw_phase(llama.base_url, n_words, rounds, 0)
+        dropped = snaps if cold else None
+        raw1 = await raw_phase(llama.base_url, n_words, rounds, 0, dropped)
         for f in snaps.glob("raw-*.bin"):
             f.unlink()
         daemon = DaemonProcess(
@@ -176,10 +194,10 @@ async def run(work: Path, n_words: int, rounds: int, which: str, log_level: str)
         )
         daemon.start()
         try:
-            side = await kvsidecar_phase(daemon.url, llama.base_url, n_words, rounds, name)
+            side = await kvsidecar_phase(daemon.url, llama.base_url, n_words, rounds, name, dropped)
         finally:
             daemon.stop()
-        raw2 = await raw_phase(llama.base_url, n_words, rounds, 0)
+        raw2 = await raw_phase(llama.base_url, n_words, rounds, 0, dropped)
         for f in snaps.glob("raw-*.bin"):
             f.unlink()
     finally:
@@ -188,6 +206,7 @@ async def run(work: Path, n_words: int, rounds: int, which: str, log_level: str)
     return {
         "model": name,
         "llama_flags": f"--ctx-size {ctx} --parallel 1 {' '.join(flags)}",
+        "cold": cold,
         "prompt_tokens": med(side, "prompt_n") + med(side, "cache_n"),
         "raw": {k: summary([r[k] for r in raw]) for k in raw[0]},
         "kvsidecar": {k: summary([r[k] for r in side]) for k in side[0]},
@@ -203,6 +222,9 @@ def main() -> int:
         "--words", type=int, help="history size in generated words (default: 4,900 for gemma)"
     )
     parser.add_argument("--rounds", type=int, default=12, help="switches per phase")
+    parser.add_argument(
+        "--cold", action="store_true", help="drop every slot file from the page cache before each switch"
+    )
     parser.add_argument("--log-level", default="warning", help="the daemon's (its log is kept with --work)")
     parser.add_argument("--work", type=Path, help="keep the logs and files here (default: a temporary dir)")
     args = parser.parse_args()
@@ -210,8 +232,9 @@ def main() -> int:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         words_n = args.words or (4900 if args.model == "gemma" else 1700)
-        result = asyncio.run(run(work, words_n, args.rounds, args.model, args.log_level))
-    print(write("switch_raw" if args.model == "gemma" else f"switch_raw_{args.model}", result))
+        result = asyncio.run(run(work, words_n, args.rounds, args.model, args.log_level, args.cold))
+    name = "switch_raw" if args.model == "gemma" else f"switch_raw_{args.model}"
+    print(write(name + ("_cold" if args.cold else ""), result))
     raw, side = result["raw"], result["kvsidecar"]
     print(
         f"{result['prompt_tokens']:,.0f} tokens. raw: TTFT p50 {raw['ttft_ms']['p50']:.1f} ms "

@@ -132,6 +132,17 @@ def section_switch_raw(d: dict[str, Any]) -> list[str]:
             if big is not None
             else []
         ),
+        *(
+            [
+                f"With every slot file dropped from the page cache before each switch (`--cold`, "
+                f"{cold['machine']['date']}; kvsidecar reads the incoming file ahead while the outgoing one "
+                "saves, the raw harness reads it when it restores):",
+                "",
+                *_switch_raw_table(cold),
+            ]
+            if (cold := load("switch_raw_llama3-8b-geometry_cold")) is not None
+            else []
+        ),
     ]
 
 
@@ -155,6 +166,30 @@ def section_save_target(d: dict[str, Any]) -> list[str]:
         f"{r['p50']['aside']['path_ms'] / r['p50']['unlink-first']['path_ms']:.2f}x ({r['state']})"
         for r in runs
     )
+    cold = load("save_target_dirty_cold_incoming")
+    cold_rows = (
+        [
+            f"| {way} | {p['path_ms']:,.1f} | {p['save_ms']:,.1f} | {p['restore_ms']:,.1f} |"
+            for way, p in cold["p50"].items()
+        ]
+        if cold is not None
+        else []
+    )
+    cold_part = (
+        [
+            f"The incoming file cold (`--incoming cold --state {cold['state']}`, {cold['machine']['date']}, "
+            f"{cold['rounds']} rounds per way): dropped from the page cache before each round; aside+preread "
+            "first asks the kernel to read it (POSIX_FADV_WILLNEED), as kvsidecar does before a switch's "
+            "save, so the read overlaps the save. Medians in ms.",
+            "",
+            "| way | save + restore | save | restore |",
+            "|---|---:|---:|---:|",
+            *cold_rows,
+            "",
+        ]
+        if cold is not None
+        else []
+    )
     return [
         "## Clearing a save's target (Llama-3-8B geometry)",
         "",
@@ -174,6 +209,7 @@ def section_save_target(d: dict[str, Any]) -> list[str]:
         "",
         f"**Aside / unlink-first, save + restore p50: {ratios}.**",
         "",
+        *cold_part,
     ]
 
 

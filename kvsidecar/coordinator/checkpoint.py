@@ -86,13 +86,23 @@ class CheckpointPolicy:
         self.active = False  # timers are armed only between start() and close()
         self._cleaning: set[str] = set()  # keys with a clean ahead started by given_back, not yet done
 
-    async def evict(self, srv: ServerRuntime, slot: Slot, result: AcquireResult) -> str | None:
-        """The slot goes to another session (or an auxiliary request): checkpoint its owner first."""
+    async def evict(
+        self,
+        srv: ServerRuntime,
+        slot: Slot,
+        result: AcquireResult,
+        *,
+        before_save: Callable[[], None] | None = None,
+    ) -> str | None:
+        """The slot goes to another session (or an auxiliary request): checkpoint its owner first.
+        `before_save`: called when that save is about to run (a switch reads its incoming file then)."""
         rt = self.sessions.get(slot.owner)
         slot.owner = None
         if rt is None:
             return None
         if rt.dirty and self.config.checkpoint.on_switch and not self._skip_save(srv, rt):
+            if before_save is not None:
+                before_save()
             # overlap: the commit (checksum, manifest) runs while the slot's next session restores
             await self.saver.save(srv, slot, rt, trigger="switch", actions=result.actions, overlap=True)
         if rt.dirty:  # not saved (policy off or failure): that progress is gone from the slot

@@ -27,6 +27,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, Literal, TypeVar
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
@@ -171,6 +172,7 @@ class Coordinator:
         for srv in self.servers.values():
             self.pool.wake_all(srv)  # requests still waiting for a slot answer KV_SHUTTING_DOWN
         self.checkpoints.close()
+        self.restorer.close()
         self.leases.cancel_timers()
         for task in list(self._tasks):
             task.cancel()
@@ -319,8 +321,10 @@ class Coordinator:
             return AcquireResult(outcome=Outcome.RESIDENT)
         result = AcquireResult(outcome=Outcome.COLD)
         evicted = self.sessions.get(slot.owner)
-        if slot.owner is not None:
-            result.evicted = await self.checkpoints.evict(srv, slot, result)
+        if slot.owner is not None:  # if a save comes first, the incoming snapshot is read meanwhile
+            result.evicted = await self.checkpoints.evict(
+                srv, slot, result, before_save=partial(self.restorer.preread, srv, rt)
+            )
         self.telemetry.switch(srv.name, slot.id, rt, result.evicted)
         await Saver.wait_commit(rt)  # its own last save may still be committing (evicted just before)
         await self.restorer.load(srv, slot, rt, result)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from kvsidecar.config import Config
 from kvsidecar.coordinator.breaker import BreakerState
@@ -48,6 +50,36 @@ class Restorer:
         self.sessions = sessions
         self.guard = guard
         self.telemetry = telemetry
+        self._reader: ThreadPoolExecutor | None = None  # read ahead (`preread`), started on first use
+        self._preread_turn = 0
+        self._closed = False
+
+    def preread(self, srv: ServerRuntime, rt: SessionRuntime) -> None:
+        """A switch's save is about to run: have the incoming session's snapshot read meanwhile, so that
+        the restore after the save finds it in the page cache. One reader thread of its own (a read ahead
+        of a large file takes seconds to queue); a newer switch's read ahead, or shutdown, stops an older
+        one. Nothing waits for it; the restore verifies everything as ever."""
+        if self._closed or not self.config.restore.enabled or srv.fingerprint is None:
+            return
+        if srv.breaker.state is BreakerState.OPEN:  # no restore will follow
+            return
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-preread")
+        self._preread_turn += 1
+        turn = self._preread_turn
+
+        def stop() -> bool:
+            return self._closed or self._preread_turn != turn
+
+        asyncio.get_running_loop().run_in_executor(
+            self._reader, partial(self.store.preread, rt.identity, srv.fingerprint.digest, stop=stop)
+        )
+
+    def close(self) -> None:
+        """Shutdown: a read ahead under way stops at its next step; queued ones never start."""
+        self._closed = True
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
 
     async def load(self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, result: AcquireResult) -> None:
         """Restore the session's snapshot into the slot, or erase the slot for a cold start."""

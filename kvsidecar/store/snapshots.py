@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 from kvsidecar.backend.base import SaveResult
 from kvsidecar.errors import Fenced, KvError, MetadataIO
 from kvsidecar.store.candidates import Candidate, CandidateFinder, Rejection, VerifiedFiles
@@ -43,6 +45,7 @@ from kvsidecar.store.naming import (
     parse_snapshot_name,
     snapshot_filename,
 )
+from kvsidecar.store.readahead import read_ahead, step_bytes
 from kvsidecar.store.reconcile import LooseFile, Reconciler, ReconcileReport
 from kvsidecar.store.saving import SavePlan, SavePlanner
 from kvsidecar.store.table import (
@@ -196,6 +199,31 @@ class SnapshotStore:
             session_seq=session_seq,
             checksum=self.verify_checksum,
         )
+
+    def preread(
+        self, identity: SnapshotIdentity, fingerprint: str | None, *, stop: Callable[[], bool] = lambda: False
+    ) -> int:
+        """Have the kernel read ahead the generation a restore of `identity` would try first (the newest
+        valid one saved under `fingerprint`), so that the read overlaps whatever comes before the restore (a
+        switch's save). Advisory: it proves nothing (the restore checks everything again), and never
+        raises. The name is derived from the key, opened as a plain regular file of ours only; a file
+        larger than half the memory available is left alone (reading it would only evict other data).
+        Runs until done or `stop()`; blocks for as long as the kernel takes to queue the reads. Returns
+        the bytes advised."""
+        try:
+            manifest = self.table.get(identity.key)
+            d = self.layout.snap.get(identity.server)
+            if manifest is None or d is None or manifest.server != identity.server:
+                return 0
+            for gen, rec in manifest.ordered_generations():
+                if rec.valid and (fingerprint is None or rec.fingerprint == fingerprint):
+                    with d.open_file(identity.filename(gen)) as (fd, st):
+                        if st.st_size > psutil.virtual_memory().available // 2:
+                            return 0
+                        return read_ahead(fd, st.st_size, step_bytes(st.st_dev), stop=stop)
+        except Exception:  # advice only: whatever went wrong, the restore finds it (or not) on its own
+            return 0
+        return 0
 
     def find_restorable(
         self,
