@@ -186,16 +186,26 @@ class Saver:
         asyncio.get_running_loop().run_in_executor(None, self.store.abort_save, made.result())
 
     async def _commit(self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, step: _Written) -> bool:
-        """Check, hash and record the written file; only then does the manifest point at it."""
-        try:
-            await asyncio.to_thread(
+        """Check, hash and record the written file; only then does the manifest point at it. A cancel
+        while the commit thread runs does not discard the file under it: the thread may be recording it
+        in the manifest that moment. The file is discarded only if that commit then fails."""
+        committing = asyncio.get_running_loop().run_in_executor(
+            None,
+            partial(
                 self.store.commit_save,
                 step.plan,
                 step.saved,
                 fingerprint=step.fingerprint,
                 revision=step.revision,
                 session_seq=rt.seq,
-            )
+            ),
+        )
+        try:
+            await asyncio.shield(committing)
+        except asyncio.CancelledError as exc:
+            committing.add_done_callback(partial(self._discard_if_failed, step.plan))
+            await self._aborted(srv, slot, rt, None, exc, step.trigger, resident=step.resident)
+            return False  # not reached: _aborted re-raises the cancel
         except BaseException as exc:
             await self._aborted(srv, slot, rt, step.plan, exc, step.trigger, resident=step.resident)
             return False
@@ -207,6 +217,12 @@ class Saver:
             srv, slot, rt, step.saved, revision=step.revision, trigger=step.trigger, started=step.started
         )
         return True
+
+    def _discard_if_failed(self, plan: SavePlan, committing: asyncio.Future[Any]) -> None:
+        if committing.cancelled() or committing.exception() is not None:
+            asyncio.get_running_loop().run_in_executor(
+                None, partial(self.store.abort_save, plan, discard=True)
+            )
 
     async def _aborted(
         self,

@@ -85,15 +85,17 @@ class SavePlanner:
             manifest = self.table.get(identity.key)  # _newest_verifying may have marked generations invalid
             gen = other_generation(kept if kept is not None else manifest.current if manifest else None)
             final = identity.filename(gen)
-            # fleet: written under a fresh name, renamed at the commit under the fence (see staging_filename)
-            filename = staging_filename(identity.key, gen) if self.layout.shared else final
             if manifest is not None and gen in manifest.generations:
                 # The server is about to overwrite this file: the manifest must not vouch for it meanwhile.
                 # The kept generation's record stays until the new one is committed.
                 current = manifest.current if manifest.current != gen else kept
                 now = self.table.clock()
                 self.table.put(manifest.with_generation(gen, None, current=current, updated_at=now))
-        self.table.writing_started(identity.server, filename)
+        if self.layout.shared:  # fleet: written under a fresh name, renamed at the commit under the fence
+            filename = self._fresh_name(identity, gen)
+        else:
+            filename = final
+            self.table.writing_started(identity.server, filename)
         try:
             with self.table.fenced(identity.key, "save"):  # fleet: only the key's owner may clear its file
                 retired = self._clear_target(identity, gen, filename)
@@ -109,6 +111,15 @@ class SavePlanner:
             kept=kept,
             final=final,
         )
+
+    def _fresh_name(self, identity: SnapshotIdentity, gen: Generation) -> str:
+        """A staging name of the generation that nobody claims (retention and other saves draw from the
+        same names), claimed for this save."""
+        for _ in range(3):  # 32 random bits each: a second draw is already a curiosity
+            name = staging_filename(identity.key, gen)
+            if self.table.claim_fresh(identity.server, name):
+                return name
+        raise SaveFailed("no unclaimed staging name for the save; try again")
 
     def _newest_verifying(self, manifest: Manifest, runtime: str | None) -> Generation | None:
         """The generation a save must not touch: the newest valid one whose file still passes the cheap

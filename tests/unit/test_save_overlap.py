@@ -125,3 +125,47 @@ async def test_the_evicted_sessions_own_acquire_waits_for_its_commit(
     finally:
         gate.set()
         await h.coordinator.aclose()
+
+
+@pytest.mark.parametrize("commit_then", ["succeeds", "fails"])
+async def test_a_cancel_during_the_commit_never_deletes_the_file_it_records(
+    h: Harness, monkeypatch: pytest.MonkeyPatch, commit_then: str
+) -> None:
+    """Cancelling a save while its commit thread runs (shutdown's bound on checkpoints) used to discard
+    the file at once, while the thread could be recording it in the manifest: a snapshot whose file was
+    gone. Now the file is discarded only if that commit then fails."""
+    for s in ("A", "B", "A"):  # A resident and dirty, saved once before
+        await h.turn(s)
+    gate = threading.Event()
+    gated = GatedCommit(h, "A", gate)
+    gated.fail = commit_then == "fails"
+    monkeypatch.setattr(h.coordinator.store, "commit_save", gated)
+    rt = h.coordinator.sessions.get(key("A"))
+    assert rt is not None
+    task = asyncio.ensure_future(h.coordinator.checkpoints.checkpoint(rt, "flush"))
+    assert await asyncio.to_thread(gated.entered.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    gate.set()
+    store = h.coordinator.store
+    snaps = store.snapshot_dirs["local"]
+    for _ in range(200):  # the commit thread, then its follow-up, finish on their own
+        if store.inflight() == set():
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    m = store.get(key("A"))
+    assert m is not None and m.current is not None
+    current = m.generations[m.current]
+    assert (snaps / current.filename).exists(), "the manifest vouches for a file that was deleted"
+    if commit_then == "succeeds":
+        assert current.tokens == 100  # the new generation, recorded and on disk
+    else:
+        assert current.tokens == 50  # the previous generation; the failed one's file is gone
+        assert {p.name for p in snaps.iterdir() if p.name.startswith(key("A"))} == {current.filename}
+    assert rt.state is not SessionState.SAVING
+    monkeypatch.setattr(h.coordinator.store, "commit_save", gated.original)
+    await h.turn("B")
+    result, _, _, cache_n = await h.turn("A")
+    assert result.outcome == "restored" and cache_n == result.restored_tokens

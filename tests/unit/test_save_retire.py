@@ -431,3 +431,29 @@ def test_a_fresh_name_someone_claims_is_never_used(tmp_path: Path, monkeypatch: 
     assert ("local", taken) in store.inflight()
     store.abort_save(plan)
     assert store.inflight() == {("local", taken)}  # the other party's claim stands
+
+
+def test_fleet_a_save_never_stages_under_a_name_someone_claims(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fleet saves write under a fresh staging name; retention's and the moved-aside names are drawn from
+    the same ones: a claimed name is never the save's (its owner would delete or unclaim the file)."""
+    store = SnapshotStore(
+        state_dir=tmp_path / "state",
+        snapshot_dirs={"local": tmp_path / "snaps"},
+        shared_dir=tmp_path / "meta",
+    )
+    store.open()
+    store.fence_with(lambda _key: 1)
+    taken = f"{ID.key}.a.0badc0de.bin"
+    store.table.writing_started("local", taken)
+    names = iter([taken, f"{ID.key}.a.0000beef.bin"])
+    monkeypatch.setattr(saving, "staging_filename", lambda _k, _g: next(names))
+    plan = store.begin_save(ID)
+    assert plan.staged and plan.filename == f"{ID.key}.a.0000beef.bin"
+    store.commit_save(plan, server_writes(plan, 10), fingerprint=FP, revision=1)
+    assert store.inflight() == {("local", taken)}  # the other party's claim stands, ours ended
+    monkeypatch.setattr(saving, "staging_filename", lambda _k, _g: taken)
+    with pytest.raises(SaveFailed):
+        store.begin_save(ID)  # every draw taken: refused, nothing claimed
+    assert store.inflight() == {("local", taken)}
