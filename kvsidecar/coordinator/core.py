@@ -171,7 +171,6 @@ class Coordinator:
         self.pool.closing = True
         for srv in self.servers.values():
             self.pool.wake_all(srv)  # requests still waiting for a slot answer KV_SHUTTING_DOWN
-        self.checkpoints.close()
         self.restorer.close()
         self.leases.cancel_timers()
         for task in list(self._tasks):

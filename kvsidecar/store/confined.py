@@ -22,7 +22,7 @@ import contextlib
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,6 +153,43 @@ class ConfinedDir:
             yield fd, st
         finally:
             os.close(fd)
+
+    def move_aside(
+        self,
+        name: str,
+        st: os.stat_result,
+        *,
+        draw: Callable[[], str],
+        claim: Callable[[str], bool],
+        release: Callable[[str], None],
+        keep: Callable[[os.stat_result], bool],
+    ) -> str | None:
+        """Rename the entry at `name`, which was `st` when the caller checked it, to a fresh name of ours:
+        one of up to three `draw()`s that nothing stands at and `claim` accepts (the caller's claim on it,
+        made before the rename). A rename takes microseconds whatever the file's size, so the caller can
+        free its blocks later, off its path. The entry moved must then be `st` itself (device and inode:
+        a regular file, since inode numbers get reused) and pass `keep`; anything swapped in between is put
+        back under `name`. None (the claim released) when nothing was moved aside."""
+        self.check(name)
+        with self.fd() as dfd:
+            for _ in range(3):  # 32 random bits each: a second draw is already a curiosity
+                aside = self.check(draw())
+                if lstat_at(aside, dfd) is None and claim(aside):
+                    break
+            else:
+                return None
+            try:
+                os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
+                moved = lstat_at(aside, dfd)
+                same = moved is not None and (moved.st_dev, moved.st_ino) == (st.st_dev, st.st_ino)
+                if moved is None or not same or not stat.S_ISREG(moved.st_mode) or not keep(moved):
+                    if moved is not None and lstat_at(name, dfd) is None:
+                        os.rename(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    raise FileExistsError(name)  # not the file checked: nothing was moved aside
+            except OSError:
+                release(aside)
+                return None
+        return aside
 
     def unlink(self, name: str) -> int | None:
         """Remove the entry itself (a link, never its target). Returns the bytes a plain regular file

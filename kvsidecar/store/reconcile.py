@@ -17,13 +17,14 @@ import os
 import stat
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
 from kvsidecar.errors import KvError, MetadataIO
 from kvsidecar.logs import event
 from kvsidecar.store.atomic import SHARED_TEMP_AGE_S
-from kvsidecar.store.confined import ConfinedDir, Entry, lstat_at, problem
+from kvsidecar.store.confined import ConfinedDir, Entry, problem
 from kvsidecar.store.layout import StoreLayout
 from kvsidecar.store.manifest import GenerationRecord
 from kvsidecar.store.naming import Generation, parse_snapshot_name, staging_filename
@@ -168,35 +169,23 @@ class Reconciler:
             self.table.writing_ended(loose.area, taken)
 
     def _set_aside(self, d: ConfinedDir, area: str, name: str, parsed: tuple[str, Generation]) -> str | None:
-        """With the table held: rename the regular file at `name` to a fresh name of ours that nothing is at
-        and nobody claims (a save's staging or moved-aside name is claimed before its file exists), and
-        claim it. None when it is not moved (the caller deletes it in place)."""
+        """With the table held: move the regular file at `name` aside to a fresh name of ours that nothing
+        is at and nobody claims (a save's staging or moved-aside name is claimed before its file exists),
+        claimed. None when it is not moved (the caller deletes it in place)."""
         try:
-            with d.fd() as dfd:
-                st = lstat_at(d.check(name), dfd)
-                if st is None or not stat.S_ISREG(st.st_mode):
-                    return None
-                for _ in range(3):  # 32 random bits each: a second draw is already a curiosity
-                    aside = d.check(staging_filename(*parsed))
-                    if lstat_at(aside, dfd) is None and self.table.claim_held(area, aside):
-                        break
-                else:
-                    return None
-                try:
-                    os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
-                    moved = lstat_at(aside, dfd)
-                    same = moved is not None and (moved.st_dev, moved.st_ino) == (st.st_dev, st.st_ino)
-                    if moved is None or not same or not stat.S_ISREG(moved.st_mode):  # (inodes get reused)
-                        # swapped in after the check: put back, for the caller to refuse or remove itself
-                        if moved is not None and lstat_at(name, dfd) is None:
-                            os.rename(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-                        raise FileExistsError(name)
-                except OSError:
-                    self.table.unclaim_held(area, aside)
-                    return None
+            st = d.lstat(name)
+            if st is None or not stat.S_ISREG(st.st_mode):
+                return None
+            return d.move_aside(
+                name,
+                st,
+                draw=partial(staging_filename, *parsed),
+                claim=partial(self.table.claim_held, area),
+                release=partial(self.table.unclaim_held, area),
+                keep=lambda _moved: True,
+            )
         except (KvError, OSError):
             return None
-        return aside
 
     def recheck_file(self, server: str, filename: str) -> str | None:
         """An event on a snapshot file: if it no longer matches its record, mark it. Returns the reason.

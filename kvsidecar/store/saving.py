@@ -17,13 +17,14 @@ import shutil
 import stat
 import threading
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from kvsidecar.backend.base import SaveResult
 from kvsidecar.errors import KvError, SaveFailed, SnapshotCorrupt, SnapshotError
 from kvsidecar.logs import event
 from kvsidecar.store.candidates import VerifiedFiles, file_id, verify_generation
-from kvsidecar.store.confined import UNSAFE, UnsafeFile, describe, lstat_at, problem
+from kvsidecar.store.confined import UNSAFE, UnsafeFile, describe, problem
 from kvsidecar.store.fingerprint import RuntimeFingerprint
 from kvsidecar.store.fingerprint_records import FingerprintRecords
 from kvsidecar.store.integrity import Header, checksum_from_fd, header_from_fd
@@ -204,22 +205,18 @@ class SavePlanner:
         which retention deletes."""
         server = identity.server
         d = self.layout.snap[server]
-        retired = staging_filename(identity.key, gen)
-        if not self.table.claim_fresh(server, retired):  # a save's staging name, or retention's (2^-32)
-            return None
         try:
-            with d.fd() as dfd:
-                if lstat_at(retired, dfd) is not None:  # a fresh random name taken: never rename over it
-                    raise FileExistsError(retired)
-                os.rename(d.check(filename), d.check(retired), src_dir_fd=dfd, dst_dir_fd=dfd)
-                moved = lstat_at(retired, dfd)
-                same = moved is not None and (moved.st_dev, moved.st_ino) == (st.st_dev, st.st_ino)
-                if moved is None or not same or problem(moved, d.expected_uids()) is not None:
-                    if moved is not None and lstat_at(filename, dfd) is None:
-                        os.rename(retired, filename, src_dir_fd=dfd, dst_dir_fd=dfd)
-                    raise FileExistsError(filename)  # not our file: nothing was retired
+            retired = d.move_aside(
+                filename,
+                st,
+                draw=partial(staging_filename, identity.key, gen),
+                claim=partial(self.table.claim_fresh, server),
+                release=partial(self.table.writing_ended, server),
+                keep=lambda moved: problem(moved, d.expected_uids()) is None,
+            )
         except (KvError, OSError):
-            self.table.writing_ended(server, retired)
+            return None
+        if retired is None:
             return None
         with self._retiring_lock:
             self._retiring[(server, retired)] = (st.st_dev, st.st_size)

@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from kvsidecar.api import create_app
 from kvsidecar.client import KvSidecarClient, SidecarError
-from tests.unit.coordinator_helpers import Harness, conversation, start_harness
+from tests.unit.coordinator_helpers import Harness, conversation
 
 TOKEN = "t" * 32
-
-
-@pytest.fixture
-async def h(tmp_path: Path) -> AsyncIterator[Harness]:
-    harness = await start_harness(tmp_path)
-    yield harness
-    await harness.coordinator.aclose()
 
 
 def http(h: Harness, *, token: str | None = TOKEN, host: str = "127.0.0.1:8377") -> httpx.AsyncClient:

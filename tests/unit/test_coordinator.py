@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -15,13 +14,6 @@ from kvsidecar.errors import InvalidSessionId, LeaseNotFound, MetadataIO, SaveFa
 from kvsidecar.store.fingerprint import ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity
 from tests.unit.coordinator_helpers import Harness, start_harness
-
-
-@pytest.fixture
-async def h(tmp_path: Path) -> AsyncIterator[Harness]:
-    harness = await start_harness(tmp_path)
-    yield harness
-    await harness.coordinator.aclose()
 
 
 def key(session: str, model: str = "m") -> str:

@@ -28,7 +28,7 @@ from kvsidecar.errors import InvalidSessionId
 from kvsidecar.retention import Disk, RetentionJob
 from kvsidecar.router import Route, Router
 from kvsidecar.store.naming import validate_session_id
-from tests.unit.coordinator_helpers import Harness, conversation, start_harness
+from tests.unit.coordinator_helpers import Harness, conversation
 
 TOKEN = "c" * 32
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -92,13 +92,6 @@ class Api:
             assert code in declared["x-kv-codes"], where
             if code in ("KV_SLOT_BUSY", "KV_SHUTTING_DOWN"):
                 assert r.headers.get("retry-after") == "1", where
-
-
-@pytest.fixture
-async def h(tmp_path: Path) -> AsyncIterator[Harness]:
-    harness = await start_harness(tmp_path)
-    yield harness
-    await harness.coordinator.aclose()
 
 
 def url(route: Route, *, session: str = "A", lease: str = "nope", query: str = "") -> str:

@@ -101,25 +101,18 @@ def test_a_planted_entry_is_never_opened(
     assert store.preread(ID, FP.digest) == 0 and advice.paths == []
 
 
-@pytest.fixture
-async def h2(tmp_path: Path) -> Any:
-    harness = await start_harness(tmp_path)
-    yield harness
-    await harness.coordinator.aclose()
-
-
 async def test_a_switch_reads_the_incoming_snapshot_ahead_of_the_outgoing_save(
-    h2: Harness, monkeypatch: pytest.MonkeyPatch
+    h: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for s in ("A", "B", "A"):  # B saved; A resident and dirty
-        await h2.turn(s)
-    store: SnapshotStore = h2.coordinator.store
+        await h.turn(s)
+    store: SnapshotStore = h.coordinator.store
     advice = Advice(monkeypatch)
     b_file = store.get(SnapshotIdentity(server="local", provider="local", model="m", session_id="B").key)
     assert b_file is not None and b_file.current is not None
     b_name = b_file.generations[b_file.current].filename
     advised_at_save: list[list[str]] = []
-    original_save = h2.fake.save_slot
+    original_save = h.fake.save_slot
 
     async def save_slot(slot_id: int, filename: str) -> Any:
         for _ in range(100):  # the read-ahead runs in a thread, started before the save
@@ -129,24 +122,24 @@ async def test_a_switch_reads_the_incoming_snapshot_ahead_of_the_outgoing_save(
         advised_at_save.append(advice.paths)
         return await original_save(slot_id, filename)
 
-    monkeypatch.setattr(h2.fake, "save_slot", save_slot)
-    result, _, _, cache_n = await h2.turn("B")
+    monkeypatch.setattr(h.fake, "save_slot", save_slot)
+    result, _, _, cache_n = await h.turn("B")
     assert result.outcome == "restored" and cache_n == result.restored_tokens
     assert advised_at_save == [[b_name]]
 
 
 async def test_no_read_ahead_without_a_save_before_the_restore(
-    h2: Harness, monkeypatch: pytest.MonkeyPatch
+    h: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for s in ("A", "B", "A"):
-        await h2.turn(s)
-    await h2.coordinator.save("A")  # A is clean: B's switch restores at once
+        await h.turn(s)
+    await h.coordinator.save("A")  # A is clean: B's switch restores at once
     advice = Advice(monkeypatch)
-    result, _, _, _ = await h2.turn("B")
+    result, _, _, _ = await h.turn("B")
     assert result.outcome == "restored"
     await asyncio.sleep(0.05)
     assert advice.paths == []
-    result, _, _, _ = await h2.turn("B")  # resident: no disk at all
+    result, _, _, _ = await h.turn("B")  # resident: no disk at all
     assert result.outcome == "resident" and advice.paths == []
 
 

@@ -9,7 +9,6 @@ import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +19,7 @@ from kvsidecar.api import PARAMS, AcquireBody, EventBody, ReleaseBody, create_ap
 from kvsidecar.listener import Limits, ListenerState
 from kvsidecar.router import Call, Route, Router
 from kvsidecar.service import _uvicorn
-from tests.unit.coordinator_helpers import Harness, start_harness
+from tests.unit.coordinator_helpers import Harness
 
 TOKEN = "r" * 32
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -35,13 +34,6 @@ BAD_BODIES = [b"", b"   ", b"{bad", b"[]", b"null", b'"x"', b"1", b"[" * 5000 + 
 BAD_LEASE_IDS = ["nope", "x" * 65, "x" * 2000, "%00", "a%20b", "%2E%2E", "%FF"]
 
 Answer = tuple[int, dict[str, Any]]
-
-
-@pytest.fixture
-async def h(tmp_path: Path) -> AsyncIterator[Harness]:
-    harness = await start_harness(tmp_path)
-    yield harness
-    await harness.coordinator.aclose()
 
 
 def asgi(h: Harness) -> httpx.AsyncClient:

@@ -5,14 +5,12 @@ and over a real listener alike."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
-import pytest
 
 from kvsidecar.client_wire import _session_path as session_path
-from tests.unit.coordinator_helpers import Harness, start_harness
+from tests.unit.coordinator_helpers import Harness
 from tests.unit.rawhttp import raw_request
 from tests.unit.test_listener import TOKEN, serve_api
 from tests.unit.test_router import asgi, assert_nothing_changed, listening
@@ -42,13 +40,6 @@ SESSION_ROUTES = [
     ("GET", "/v1/sessions/{}", b""),
     ("DELETE", "/v1/sessions/{}", b""),
 ]
-
-
-@pytest.fixture
-async def h(tmp_path: Path) -> AsyncIterator[Harness]:
-    harness = await start_harness(tmp_path)
-    yield harness
-    await harness.coordinator.aclose()
 
 
 async def answers(c: httpx.AsyncClient) -> list[tuple[str, int, str]]:

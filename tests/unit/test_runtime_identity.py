@@ -8,7 +8,6 @@ steps of these tests (probe_interval_s is an hour): every detection here comes f
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,13 +15,6 @@ import pytest
 from kvsidecar.coordinator.state import Outcome
 from kvsidecar.store.fingerprint import ProcessInfo
 from tests.unit.coordinator_helpers import Harness, start_harness
-
-
-@pytest.fixture
-async def h(tmp_path: Path) -> AsyncIterator[Harness]:
-    harness = await start_harness(tmp_path)
-    yield harness
-    await harness.coordinator.aclose()
 
 
 def key(h: Harness, session: str) -> str:

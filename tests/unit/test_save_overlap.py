@@ -43,13 +43,6 @@ class GatedCommit:
         return self.original(plan, *args, **kwargs)
 
 
-@pytest.fixture
-async def h(tmp_path: Path) -> Any:
-    harness = await start_harness(tmp_path)
-    yield harness
-    await harness.coordinator.aclose()
-
-
 async def test_the_incoming_restore_runs_while_the_outgoing_commit_is_under_way(
     h: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:

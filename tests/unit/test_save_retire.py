@@ -27,7 +27,7 @@ from kvsidecar.retention import Disk, RetentionJob
 from kvsidecar.store import saving
 from kvsidecar.store.naming import SnapshotIdentity, parse_snapshot_name
 from kvsidecar.store.snapshots import SavePlan, SnapshotStore
-from tests.unit.coordinator_helpers import Harness, start_harness
+from tests.unit.coordinator_helpers import Harness
 from tests.unit.test_store import FP, ID, make_store, save, server_writes
 
 
@@ -304,13 +304,6 @@ def test_fleet_layout_never_retires(tmp_path: Path) -> None:
     plan = SavePlan(identity=ID, generation="a", filename=ID.filename("a"), path=Path("/nonexistent"))
     assert store.saves._clear_target(ID, "a", plan.filename) is None
     assert snap_names(store) == {ID.filename("b")}
-
-
-@pytest.fixture
-async def h(tmp_path: Path) -> Any:
-    harness = await start_harness(tmp_path)
-    yield harness
-    await harness.coordinator.aclose()
 
 
 async def test_the_deletion_runs_beside_the_servers_write_and_is_over_when_the_save_is(

@@ -52,8 +52,7 @@ def shared_dir_store(tmp_path: Path) -> SnapshotStore:
 async def test_watcher_marks_files_without_fsync_on_the_event_loop(
     tmp_path: Path, fsync_threads: list[int]
 ) -> None:
-    store = SnapshotStore(state_dir=tmp_path / "state", snapshot_dirs={"local": tmp_path / "snaps"})
-    store.open()
+    store = _one_store(tmp_path)
     save(store, 10)
     fsync_threads.clear()
     seen: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue()
@@ -74,8 +73,7 @@ async def test_watcher_marks_files_without_fsync_on_the_event_loop(
 
 
 async def test_watcher_rechecks_of_two_generations_both_land(tmp_path: Path) -> None:
-    store = SnapshotStore(state_dir=tmp_path / "state", snapshot_dirs={"local": tmp_path / "snaps"})
-    store.open()
+    store = _one_store(tmp_path)
     save(store, 10)
     save(store, 20, revision=2)
     seen: asyncio.Queue[tuple[str, str, str]] = asyncio.Queue()
@@ -158,76 +156,6 @@ def test_one_free_disk_floor(
     assert policy.floor(Disk(total_bytes=total, free_bytes=0)) == floor
 
 
-class _UnlinkSpy:
-    """Records, for each unlink in the snapshot directory, whether the manifest table was free meanwhile."""
-
-    def __init__(
-        self, store: SnapshotStore, monkeypatch: pytest.MonkeyPatch, fail: str | None = None
-    ) -> None:
-        self.store, self.fail = store, fail
-        self.real = os.unlink
-        self.seen: list[tuple[str, bool]] = []
-        monkeypatch.setattr(os, "unlink", self)
-
-    def __call__(self, name: Any, *args: Any, **kwargs: Any) -> None:
-        lock = self.store.table._lock
-        free = lock.acquire(blocking=False)
-        if free:
-            lock.release()
-        self.seen.append((str(name), free))
-        if self.fail is not None and str(name).endswith(".bin") and str(name) != self.fail:
-            raise OSError(5, "EIO")
-        self.real(name, *args, **kwargs)
-
-
-def test_an_orphan_is_freed_without_holding_the_manifest_table(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Freeing a 30 GB orphan takes seconds, and every manifest lookup (on the event loop) waits for the
-    table: the orphan is renamed to a fresh claimed name under the table and deleted after."""
-    store = SnapshotStore(state_dir=tmp_path / "state", snapshot_dirs={"local": tmp_path / "snaps"})
-    store.open()
-    name = "e" * 32 + ".b.bin"
-    (tmp_path / "snaps" / name).write_bytes(b"left behind by a crash")
-    spy = _UnlinkSpy(store, monkeypatch)
-    [loose] = store.loose_files(temp=False)
-    assert store.delete_loose(loose) is True
-    deleted = [(n, free) for n, free in spy.seen if n.endswith(".bin")]
-    assert len(deleted) == 1 and deleted[0][1], f"unlinked with the table held: {deleted}"
-    assert deleted[0][0] != name and deleted[0][0].startswith("e" * 32 + ".b.")  # its fresh name
-    assert list((tmp_path / "snaps").iterdir()) == [] and store.inflight() == set()
-
-
-def test_an_orphan_that_fails_to_delete_is_left_to_the_next_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    store = SnapshotStore(state_dir=tmp_path / "state", snapshot_dirs={"local": tmp_path / "snaps"})
-    store.open()
-    name = "e" * 32 + ".a.bin"
-    (tmp_path / "snaps" / name).write_bytes(b"left behind by a crash")
-    _UnlinkSpy(store, monkeypatch, fail=name)
-    [loose] = store.loose_files(temp=False)
-    with pytest.raises(MetadataIO):
-        store.delete_loose(loose)
-    monkeypatch.undo()
-    assert store.inflight() == set()  # its fresh name is nobody's claim: the next run finds it
-    [again] = store.loose_files(temp=False)
-    assert again.name != name and again.kind == "orphan"
-    assert store.delete_loose(again) is True
-    assert list((tmp_path / "snaps").iterdir()) == []
-
-
-def test_an_orphan_adopted_before_the_deletion_is_kept(tmp_path: Path) -> None:
-    store = SnapshotStore(state_dir=tmp_path / "state", snapshot_dirs={"local": tmp_path / "snaps"})
-    store.open()
-    plan = store.begin_save(ID)  # the name is claimed from here on
-    plan.path.write_bytes(b"being written")
-    stale = LooseFile(area="local", name=plan.filename, bytes=13, mtime=0.0, kind="orphan")
-    assert store.delete_loose(stale) is False  # listed before the save claimed it: not deleted
-    assert plan.path.read_bytes() == b"being written"
-    assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == [plan.filename]
-
-
 ORPHAN_KEY = "e" * 32
 
 
@@ -245,13 +173,78 @@ def _one_store(tmp_path: Path) -> SnapshotStore:
     return store
 
 
+def _with_orphan(tmp_path: Path, gen: str = "a") -> tuple[SnapshotStore, str]:
+    """A store, and a file of ours by name in its snapshot directory that no manifest references."""
+    store = _one_store(tmp_path)
+    name = f"{ORPHAN_KEY}.{gen}.bin"
+    (tmp_path / "snaps" / name).write_bytes(b"orphan")
+    return store, name
+
+
+class _UnlinkSpy:
+    """Records, for each unlink in the snapshot directory, whether the manifest table was free meanwhile."""
+
+    def __init__(
+        self, store: SnapshotStore, monkeypatch: pytest.MonkeyPatch, fail: str | None = None
+    ) -> None:
+        self.store, self.fail = store, fail
+        self.real = os.unlink
+        self.seen: list[tuple[str, bool]] = []
+        monkeypatch.setattr(os, "unlink", self)
+
+    def __call__(self, name: Any, *args: Any, **kwargs: Any) -> None:
+        self.seen.append((str(name), not _table_held(self.store)))
+        if self.fail is not None and str(name).endswith(".bin") and str(name) != self.fail:
+            raise OSError(5, "EIO")
+        self.real(name, *args, **kwargs)
+
+
+def test_an_orphan_is_freed_without_holding_the_manifest_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Freeing a 30 GB orphan takes seconds, and every manifest lookup (on the event loop) waits for the
+    table: the orphan is renamed to a fresh claimed name under the table and deleted after."""
+    store, name = _with_orphan(tmp_path, "b")
+    spy = _UnlinkSpy(store, monkeypatch)
+    [loose] = store.loose_files(temp=False)
+    assert store.delete_loose(loose) is True
+    deleted = [(n, free) for n, free in spy.seen if n.endswith(".bin")]
+    assert len(deleted) == 1 and deleted[0][1], f"unlinked with the table held: {deleted}"
+    assert deleted[0][0] != name and deleted[0][0].startswith(ORPHAN_KEY + ".b.")  # its fresh name
+    assert list((tmp_path / "snaps").iterdir()) == [] and store.inflight() == set()
+
+
+def test_an_orphan_that_fails_to_delete_is_left_to_the_next_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, name = _with_orphan(tmp_path, "a")
+    _UnlinkSpy(store, monkeypatch, fail=name)
+    [loose] = store.loose_files(temp=False)
+    with pytest.raises(MetadataIO):
+        store.delete_loose(loose)
+    monkeypatch.undo()
+    assert store.inflight() == set()  # its fresh name is nobody's claim: the next run finds it
+    [again] = store.loose_files(temp=False)
+    assert again.name != name and again.kind == "orphan"
+    assert store.delete_loose(again) is True
+    assert list((tmp_path / "snaps").iterdir()) == []
+
+
+def test_an_orphan_adopted_before_the_deletion_is_kept(tmp_path: Path) -> None:
+    store = _one_store(tmp_path)
+    plan = store.begin_save(ID)  # the name is claimed from here on
+    plan.path.write_bytes(b"being written")
+    stale = LooseFile(area="local", name=plan.filename, bytes=13, mtime=0.0, kind="orphan")
+    assert store.delete_loose(stale) is False  # listed before the save claimed it: not deleted
+    assert plan.path.read_bytes() == b"being written"
+    assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == [plan.filename]
+
+
 def test_an_orphan_is_renamed_with_the_table_held_and_its_fresh_name_claimed_until_unlinked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The re-check and the rename are one step; the fresh name is nobody's orphan while it is freed."""
-    store = _one_store(tmp_path)
-    name = ORPHAN_KEY + ".b.bin"
-    (tmp_path / "snaps" / name).write_bytes(b"orphan")
+    store, name = _with_orphan(tmp_path, "b")
     renames: list[tuple[str, str, bool]] = []
     unlinks: list[tuple[str, bool, set[tuple[str, str]], list[str]]] = []
     real_rename, real_unlink = os.rename, os.unlink
@@ -300,10 +293,8 @@ def test_a_link_at_an_orphan_name_is_removed_itself(tmp_path: Path, kind: str) -
 def test_a_directory_swapped_in_at_an_orphan_name_is_refused_and_left_where_it_was(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
 ) -> None:
-    store = _one_store(tmp_path)
+    store, name = _with_orphan(tmp_path)
     snaps = tmp_path / "snaps"
-    name = ORPHAN_KEY + ".a.bin"
-    (snaps / name).write_bytes(b"orphan")
 
     def swap() -> None:
         (snaps / name).unlink()
@@ -333,10 +324,8 @@ def test_a_directory_swapped_in_at_an_orphan_name_is_refused_and_left_where_it_w
 def test_a_crash_between_the_rename_and_the_unlink_leaves_an_orphan_the_next_daemon_collects(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = _one_store(tmp_path)
+    store, name = _with_orphan(tmp_path)
     snaps = tmp_path / "snaps"
-    name = ORPHAN_KEY + ".a.bin"
-    (snaps / name).write_bytes(b"orphan")
     old = time.time() - 3600
     os.utime(snaps / name, (old, old))
 
@@ -365,10 +354,8 @@ def test_a_fresh_name_that_is_taken_is_never_used(
 ) -> None:
     """A save claims its staging (fleet) or moved-aside name before the file exists: retention must not
     move an orphan onto it, delete what the save then writes there, or end the save's claim."""
-    store = _one_store(tmp_path)
+    store, name = _with_orphan(tmp_path)
     snaps = tmp_path / "snaps"
-    name = ORPHAN_KEY + ".a.bin"
-    (snaps / name).write_bytes(b"orphan")
     taken = ORPHAN_KEY + ".a.0badf00d.bin"
     if taken_how == "on disk":
         (snaps / taken).write_bytes(b"someone's file")
@@ -388,9 +375,7 @@ def test_a_fresh_name_that_is_taken_is_never_used(
 def test_a_failed_rename_ends_its_claim_and_deletes_in_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = _one_store(tmp_path)
-    name = ORPHAN_KEY + ".a.bin"
-    (tmp_path / "snaps" / name).write_bytes(b"orphan")
+    store, _ = _with_orphan(tmp_path)
 
     def rename(*_a: Any, **_k: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from kvsidecar.coordinator.state import Outcome
 from kvsidecar.store import integrity
-from tests.unit.coordinator_helpers import Harness, start_harness
-
-
-@pytest.fixture
-async def h(tmp_path: Path) -> AsyncIterator[Harness]:
-    harness = await start_harness(tmp_path)
-    yield harness
-    await harness.coordinator.aclose()
+from tests.unit.coordinator_helpers import Harness
 
 
 def count_hashes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
