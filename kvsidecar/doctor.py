@@ -16,12 +16,14 @@ from typing import Any, Literal
 import psutil
 
 from kvsidecar.backend.base import BackendCapabilities, BackendSlot, KvBackend
+from kvsidecar.buildcheck import cpu_info, isa_flags
 from kvsidecar.config import Config, Mode, ServerConfig
 from kvsidecar.errors import KvError
 from kvsidecar.gguf_meta import GgufError, read_metadata, sliding_window
 from kvsidecar.retention import free_floor_bytes
 from kvsidecar.store.atomic import atomic_write_bytes
 from kvsidecar.store.fingerprint import ProcessInfo, find_llama_process
+from kvsidecar.store.llama_exit import crash_hint, recent_crashes, unit_of
 
 Status = Literal["OK", "WARN", "FAIL", "SKIP"]
 # Runs `fn(slot_id)` while the slot is held exclusively (in the daemon: an auxiliary lease).
@@ -72,6 +74,7 @@ class Doctor:
         backend: KvBackend,
         process_finder: Callable[[str], ProcessInfo | None] = find_llama_process,
         hold_slot: SlotHolder | None = None,
+        crash_reader: Callable[[str | None], tuple[list[str], str]] = recent_crashes,
     ) -> None:
         self.config = config
         self.name = server
@@ -79,6 +82,7 @@ class Doctor:
         self.backend = backend
         self.process_finder = process_finder
         self.hold_slot = hold_slot
+        self.crash_reader = crash_reader
 
     async def run(self, *, deep: bool = False) -> DoctorReport:
         report = DoctorReport(server=self.name, endpoint=self.server.base_url)
@@ -86,9 +90,11 @@ class Doctor:
         self._metadata(report)
         self._disk(report)
         if caps is None:
+            self._exits(report, None)
             return report
         slots = await self._slots(report, caps)
         process = self.process_finder(self.server.base_url)
+        self._exits(report, process)
         self._process(report, caps, process)
         await self._save_path(report, process, slots, deep=deep)
         if deep:
@@ -145,6 +151,24 @@ class Doctor:
                 "" if len(ids) > 1 else "run llama-server with --parallel N (N > 1)",
             )
         return slots
+
+    def _exits(self, report: DoctorReport, process: ProcessInfo | None) -> None:
+        """Has llama-server been dying with SIGILL/SIGSEGV (a build this CPU cannot run, issue 25)? Read from
+        the unit's journal (the running process's unit, else `llama-server.service`) or the kernel log."""
+        unit = (unit_of(process.pid) if process is not None else None) or "llama-server.service"
+        signals, source = self.crash_reader(unit)
+        if not signals:
+            return
+        counts = ", ".join(f"{sig} x{signals.count(sig)}" for sig in dict.fromkeys(signals))
+        model, flags = cpu_info()
+        isa = " ".join(f for f in isa_flags(flags) if f.startswith(("avx512", "amx", "avx2", "avx_vnni")))
+        report.add(
+            "llama-server crashes",
+            "FAIL" if len(signals) >= 2 or process is None else "WARN",
+            f"llama-server was killed lately: {counts} [{source}]; CPU {model or '?'} ({isa or 'no AVX2'})",
+            crash_hint(signals[-1])
+            + "; check a binary with `python -m kvsidecar.buildcheck smoke BINARY MODEL`",
+        )
 
     def _process(self, report: DoctorReport, caps: BackendCapabilities, process: ProcessInfo | None) -> None:
         if process is None:

@@ -121,6 +121,12 @@ class Metrics:
         self.server_restarts = Counter(
             PREFIX + "server_restart", "llama-server restarts detected", ["server"], registry=r
         )
+        self.backend_exits = Counter(
+            PREFIX + "backend_exits",
+            "Local llama-server processes seen gone, by the signal that ended them (unknown: not recorded)",
+            ["server", "signal"],
+            registry=r,
+        )
         self.leases_expired = Counter(
             PREFIX + "lease_expired", "Leases that ran past their TTL", ["server"], registry=r
         )

@@ -17,6 +17,7 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from kvsidecar.coordinator.canary import measure_canary
+from kvsidecar.coordinator.exits import ExitWatch
 from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.server import RefreshResult, ServerRuntime
 from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
@@ -33,6 +34,7 @@ class RuntimeGuard:
         self.sessions = sessions
         self.pool = pool
         self.telemetry = telemetry
+        self.exits = ExitWatch(telemetry=telemetry)  # how a local process ended, and crash loops
 
     async def probe_loop(self, srv: ServerRuntime) -> None:
         while True:
@@ -48,7 +50,9 @@ class RuntimeGuard:
         `slot`: a slot the caller holds and whose content is forfeit, on which the canary may run.
         """
         async with srv.refresh_lock:
+            before = srv.process
             result = await srv.refresh(force=force)
+            self.exits.note(srv, before)
             if result.restarted:
                 self.forget_residency(srv, result.reason or "restart")
             if srv.needs_canary:

@@ -18,6 +18,7 @@ from kvsidecar.coordinator.state import Lease, Outcome, SessionRuntime
 from kvsidecar.errors import KvError
 from kvsidecar.logs import event
 from kvsidecar.metrics import Metrics
+from kvsidecar.store.llama_exit import ExitEvidence, crash_hint
 from kvsidecar.store.naming import short_id
 from kvsidecar.store.snapshots import Candidate, Rejection, SnapshotStore
 
@@ -93,6 +94,30 @@ class Telemetry:
         self.metrics.server_restarts.labels(server).inc()
         event(log, logging.WARNING, "kv.backend.restarted", server=server, reason=reason)
         self._tell(lambda o: o.server_emptied(server))
+
+    def server_exited(self, server: str, evidence: ExitEvidence, crash_loop: str | None) -> None:
+        """A local llama-server process went away (coordinator/exits.py): how, and whether it keeps dying."""
+        self.metrics.backend_exits.labels(server, evidence.signal or "unknown").inc()
+        event(
+            log,
+            logging.WARNING,
+            "kv.backend.exited",
+            server=server,
+            pid=evidence.pid,
+            signal=evidence.signal,
+            status=evidence.status,
+            source=evidence.source,
+            detail=evidence.describe(),
+        )
+        if crash_loop is not None:
+            event(
+                log,
+                logging.ERROR,
+                "kv.backend.crash_loop",
+                server=server,
+                signal=crash_loop,
+                hint=crash_hint(crash_loop),
+            )
 
     def server_unavailable(self, server: str, error: str | None) -> None:
         event(log, logging.WARNING, "kv.backend.unavailable", server=server, error=error)

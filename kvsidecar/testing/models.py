@@ -40,6 +40,9 @@ class ModelShape:
     # None: n_embd // n_head, as before. Set, it is written as `{arch}.attention.key_length` and
     # `value_length`, so the KV cache can have a real model's size while the weights stay small.
     head_dim: int | None = None
+    # "f16", or "q8_0"/"q4_0": the blocks' 2-D weights (and the output, in q8_0) quantized, so that the
+    # matmuls run the quantized kernels, which is what a build's smoke decode must exercise (issue 25).
+    weights: str = "f16"
 
     @property
     def attn_head_dim(self) -> int:
@@ -55,6 +58,8 @@ class ModelShape:
         fields = asdict(self)
         if fields["head_dim"] is None:
             del fields["head_dim"]
+        if fields["weights"] == "f16":
+            del fields["weights"]
         return xxhash.xxh3_64_hexdigest(repr(sorted(fields.items())).encode())
 
 
@@ -64,6 +69,9 @@ TINY = ModelShape()
 LLAMA3_8B_GEOMETRY = ModelShape(
     n_layer=32, n_embd=256, n_head=8, n_head_kv=8, head_dim=128, n_ff=512, n_ctx=16384
 )
+# The build's smoke model (kvsidecar.buildcheck): attention in q8_0, the feed-forward in q4_0, so one decode
+# runs both quantized matmul families; 2 layers, a few MB, loads in a fraction of a second.
+SMOKE_Q8_0 = ModelShape(n_layer=2, n_ff=512, n_ctx=1024, weights="q8_0")
 
 
 def _vocab_file(vocab_dir: Path) -> Path:
@@ -80,7 +88,7 @@ def generate_llama_model(shape: ModelShape, *, vocab_dir: Path, out_dir: Path | 
     key = shape.cache_key()
     target = (
         out_dir or cache_root() / "models"
-    ) / f"llama-random-{shape.n_layer}L-{shape.n_embd}d-{key}.gguf"
+    ) / f"llama-random-{shape.n_layer}L-{shape.n_embd}d{_weights_tag(shape)}-{key}.gguf"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -98,6 +106,10 @@ def generate_llama_model(shape: ModelShape, *, vocab_dir: Path, out_dir: Path | 
     return target
 
 
+def _weights_tag(shape: ModelShape) -> str:
+    return "" if shape.weights == "f16" else f"-{shape.weights}"
+
+
 def _write_hparams(writer: Any, shape: ModelShape) -> None:
     writer.add_name("kvsidecar random llama")
     writer.add_context_length(shape.n_ctx)
@@ -111,7 +123,7 @@ def _write_hparams(writer: Any, shape: ModelShape) -> None:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_file_type(1)
+    writer.add_file_type({"f16": 1, "q8_0": 7, "q4_0": 2}[shape.weights])
 
 
 def _copy_tokenizer(reader: Any, writer: Any) -> int:
@@ -130,7 +142,7 @@ def _copy_tokenizer(reader: Any, writer: Any) -> int:
 
 
 def _write_tensors(writer: Any, shape: ModelShape, n_vocab: int) -> None:
-    """Random f16 weights (seeded by the shape), ones for the norms."""
+    """Random weights (seeded by the shape), ones for the norms; the blocks' matrices quantized if asked."""
     import numpy as np
 
     rng = np.random.default_rng(shape.seed)
@@ -138,22 +150,34 @@ def _write_tensors(writer: Any, shape: ModelShape, n_vocab: int) -> None:
     def weight(*shape_: int) -> Any:
         return (rng.standard_normal(shape_, dtype=np.float32) * 0.02).astype(np.float16)
 
+    def add(name: str, data: Any, qtype_name: str) -> None:
+        if qtype_name == "f16" or data.ndim != 2:
+            writer.add_tensor(name, data)
+            return
+        import gguf
+
+        qtype = gguf.GGMLQuantizationType[qtype_name.upper()]
+        writer.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
+
+    attn_q = shape.weights
+    ffn_q = "q4_0" if shape.weights == "q8_0" else shape.weights
+
     n_embd, n_q = shape.n_embd, shape.n_head * shape.attn_head_dim
     n_kv = shape.n_head_kv * shape.attn_head_dim
     writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd))
     writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-    writer.add_tensor("output.weight", weight(n_vocab, n_embd))
+    add("output.weight", weight(n_vocab, n_embd), "f16" if shape.weights == "f16" else "q8_0")
     for i in range(shape.n_layer):
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        writer.add_tensor(p + "attn_q.weight", weight(n_q, n_embd))
-        writer.add_tensor(p + "attn_k.weight", weight(n_kv, n_embd))
-        writer.add_tensor(p + "attn_v.weight", weight(n_kv, n_embd))
-        writer.add_tensor(p + "attn_output.weight", weight(n_embd, n_q))
+        add(p + "attn_q.weight", weight(n_q, n_embd), attn_q)
+        add(p + "attn_k.weight", weight(n_kv, n_embd), attn_q)
+        add(p + "attn_v.weight", weight(n_kv, n_embd), attn_q)
+        add(p + "attn_output.weight", weight(n_embd, n_q), attn_q)
         writer.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        writer.add_tensor(p + "ffn_gate.weight", weight(shape.n_ff, n_embd))
-        writer.add_tensor(p + "ffn_up.weight", weight(shape.n_ff, n_embd))
-        writer.add_tensor(p + "ffn_down.weight", weight(n_embd, shape.n_ff))
+        add(p + "ffn_gate.weight", weight(shape.n_ff, n_embd), ffn_q)
+        add(p + "ffn_up.weight", weight(shape.n_ff, n_embd), ffn_q)
+        add(p + "ffn_down.weight", weight(n_embd, shape.n_ff), ffn_q)
 
 
 GEMMA_NAME = "gemma-3-270m-q4_k_m.gguf"
@@ -197,16 +221,19 @@ def gemma3_270m(*, out_dir: Path | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Make or fetch a model; prints its path.")
-    parser.add_argument("which", choices=["tiny", "llama3-8b-geometry", "gemma"])
+    parser.add_argument("which", choices=["tiny", "llama3-8b-geometry", "smoke-q8_0", "gemma"])
     parser.add_argument("--vocab-dir", type=Path, help="folder with ggml-vocab-*.gguf (generated models)")
+    parser.add_argument(
+        "--out-dir", type=Path, help="where a generated model is written (default: the cache)"
+    )
     args = parser.parse_args(argv)
     if args.which == "gemma":
         print(gemma3_270m())
     else:
         if args.vocab_dir is None:
             parser.error(f"--vocab-dir is required for {args.which}")
-        shape = TINY if args.which == "tiny" else LLAMA3_8B_GEOMETRY
-        print(generate_llama_model(shape, vocab_dir=args.vocab_dir))
+        shapes = {"tiny": TINY, "llama3-8b-geometry": LLAMA3_8B_GEOMETRY, "smoke-q8_0": SMOKE_Q8_0}
+        print(generate_llama_model(shapes[args.which], vocab_dir=args.vocab_dir, out_dir=args.out_dir))
     return 0
 
 

@@ -1,0 +1,59 @@
+"""Why each server's local llama-server process went away, and whether it keeps dying (issue 25).
+
+`ExitWatch.note()` runs after every probe. When the process the last probe found is gone (another process
+serves now, or nothing answers and it is not running), it asks the host how it ended
+(`store/llama_exit.py`, in a thread: the kernel log and the unit's journal) and tells telemetry once per
+process: a warning with the signal, and an error with what to do when the same crash signal (SIGILL,
+SIGSEGV, ...) ended it twice within ten minutes, which is what a build this CPU cannot run looks like.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from kvsidecar.coordinator.server import ServerRuntime, process_alive
+from kvsidecar.coordinator.telemetry import Telemetry
+from kvsidecar.store.llama_exit import ExitEvidence, ExitHistory, exit_evidence, unit_of
+from kvsidecar.store.llama_process import ProcessInfo
+
+
+class ExitWatch:
+    def __init__(self, *, telemetry: Telemetry) -> None:
+        self.telemetry = telemetry
+        self.history: dict[str, ExitHistory] = {}
+        self._units: dict[tuple[int, float], str | None] = {}  # unit of each process seen alive
+        self._reported: set[tuple[int, float]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def last(self, server: str) -> ExitEvidence | None:
+        history = self.history.get(server)
+        return history.last() if history is not None else None
+
+    def note(self, srv: ServerRuntime, before: ProcessInfo | None) -> None:
+        """After a probe of `srv`: `before` is the process the previous probe had found."""
+        now = srv.process if srv.available else None
+        if now is not None and now.identity not in self._units:
+            self._units[now.identity] = unit_of(now.pid)  # read while it lives: the cgroup goes with it
+        if before is None or (now is not None and now.identity == before.identity):
+            return
+        if before.identity in self._reported or process_alive(before):
+            return
+        self._reported.add(before.identity)
+        unit = self._units.pop(before.identity, None)
+        task = asyncio.get_running_loop().create_task(self._explain(srv.name, before.pid, unit))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _explain(self, server: str, pid: int, unit: str | None) -> None:
+        evidence = await asyncio.to_thread(exit_evidence, pid, unit)
+        history = self.history.setdefault(server, ExitHistory())
+        history.record(evidence)
+        self.telemetry.server_exited(server, evidence, history.crash_loop())
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
