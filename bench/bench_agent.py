@@ -8,6 +8,8 @@ previous reply plus a tool result) to an append-only history of a few thousand t
   think-1slot    3 sessions on one slot, think time (the case the policies are for)
   zero-1slot     the same sessions with no think time (the worst case: every call waits for the slot)
   think-2slots   4 sessions on `--parallel 2` (a save stops the other slot's stream too)
+  fits-2slots    2 sessions on `--parallel 2`: each keeps its slot and calls more often than `idle_s`, the
+                 case of issue 26 (without a staleness bound nothing is ever saved; a crash costs all of it)
 
 Policies, each on its own fresh llama-server (and daemon) with the same sessions and seeds:
 
@@ -15,6 +17,10 @@ Policies, each on its own fresh llama-server (and daemon) with the same sessions
   cost-aware         kvsidecar, `checkpoint.policy: cost-aware` (skipped if this build's config refuses it)
   cost-aware-busy    the same with `checkpoint.clean_ahead_while_busy: true` (the opt-in: a background save
                      may stall the other slot's stream); run only where there is another slot (--parallel 2)
+  unbounded          fits-2slots only: cost-aware with `max_unsaved_s: 0, max_unsaved_turns: 0`, the
+                     behaviour before issue 26 (a session that keeps its slot is saved only after idle_s)
+  bound-20s          fits-2slots only: cost-aware with `max_unsaved_s: 20`, so that the forced saves of the
+                     bound happen within a short run (the default bound, 300 s, is longer than one)
   cache-ram          no kvsidecar: llama-server's own host-memory prompt cache (`--cache-ram 8192`)
   cold               no kvsidecar, `--cache-ram 0`: every switch recomputes the whole history
 
@@ -35,7 +41,9 @@ limit of a switch: the restored bytes over the page-cache read bandwidth measure
 prefill of its new tokens (cost per token fitted on this run's warm single-slot calls, a + b x context).
 Per run: bytes written and read per call, against one full snapshot per response (hearth-llm's way, item 4),
 the time the server was stalled by saves, other sessions' calls in flight during a save, and calls that
-waited for a background save of their own session.
+waited for a background save of their own session; and, sampled every second from `/metrics`
+(`kvsidecar_unsaved_*`), what a llama-server crash would have cost at that moment (issue 26): the oldest
+unsaved work and the most unsaved tokens of one session. `--name` writes bench/results/<name>.json.
 
 Sizes: cold prefill of this model is ~270 tokens/s at 2K tokens and ~110 tokens/s at 5K on 2 cores, and a
 call that appends 150-300 tokens (plus the previous 8-token reply) to a 2-5K history costs 2-3 s. So the
@@ -91,9 +99,21 @@ WORKLOADS: dict[str, tuple[int, bool]] = {  # name -> (llama-server --parallel, 
     "think-1slot": (1, True),
     "zero-1slot": (1, False),
     "think-2slots": (2, True),
+    "fits-2slots": (2, True),
 }
-POLICIES = ("save-before-evict", "cost-aware", "cost-aware-busy", "cache-ram", "cold")
-KV_POLICIES = ("save-before-evict", "cost-aware", "cost-aware-busy")
+FITS_SESSIONS = {"fits-2slots": 2}  # the workloads where every session keeps its own slot
+POLICIES = (
+    "save-before-evict",
+    "cost-aware",
+    "cost-aware-busy",
+    "unbounded",
+    "bound-20s",
+    "cache-ram",
+    "cold",
+)
+KV_POLICIES = ("save-before-evict", "cost-aware", "cost-aware-busy", "unbounded", "bound-20s")
+FITS_POLICIES = ("unbounded", "cost-aware", "bound-20s")  # what fits-2slots compares (no switch: no baseline)
+UNSAVED_POLL_S = 1.0  # how often a kvsidecar run samples its unsaved-work gauges
 QUEUED_MS = 50.0  # a switch that waited longer than this for other sessions' calls found the server busy
 CACHE_RAM_MIB = 8192  # llama-server's default, stated explicitly
 
@@ -364,8 +384,8 @@ class BenchClient(KvSidecarClient):
 
 
 class KvDriver:
-    def __init__(self, kv: BenchClient, hint: str | None) -> None:
-        self.kv, self.hint = kv, hint
+    def __init__(self, kv: BenchClient, hint: str | None, *, prefill: bool = False) -> None:
+        self.kv, self.hint, self.prefill = kv, hint, prefill  # prefill: report prompt_ms, as the proxy does
         self.leases: dict[str, str] = {}
 
     async def acquire(self, turn: Turn) -> tuple[str, int]:
@@ -382,6 +402,7 @@ class KvDriver:
             status="ok" if ok else "aborted",
             prompt_tokens=turn.prompt_n if ok else None,
             cached_tokens=turn.cache_n if ok else None,
+            prompt_ms=turn.prompt_ms if ok and self.prefill and turn.prompt_ms > 0 else None,
         )
         if ok and self.hint:
             await self.kv.event(turn.session, self.hint)
@@ -503,6 +524,12 @@ def policy_config(policy: str) -> dict[str, Any] | None:
     section: dict[str, Any] = {"policy": policy}
     if policy == "cost-aware-busy":
         section = {"policy": "cost-aware", "clean_ahead_while_busy": True}
+    elif policy == "unbounded":
+        if "max_unsaved_s" not in CheckpointConfig.model_fields:
+            return {"policy": "cost-aware"}  # before issue 26 that was the only behaviour
+        section = {"policy": "cost-aware", "max_unsaved_s": 0, "max_unsaved_turns": 0}
+    elif policy == "bound-20s":
+        section = {"policy": "cost-aware", "max_unsaved_s": 20}
     try:
         config_from_mapping({"checkpoint": section})
     except ConfigError:
@@ -517,6 +544,8 @@ async def run_kvsidecar(
     p: Params,
     think: bool,
     checkpoint: dict[str, Any],
+    *,
+    prefill: bool = False,
 ) -> dict[str, Any]:
     mode = "managed-slots" if server.parallel > 1 else "single-slot"
     daemon = DaemonProcess(
@@ -533,13 +562,18 @@ async def run_kvsidecar(
         transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(keepalive_expiry=4.0))
         kv = BenchClient(daemon.url, token=TOKEN, timeout_s=900, transport=transport)
         try:
-            driver = KvDriver(kv, p.hint)
+            driver = KvDriver(kv, p.hint, prefill=prefill)
             await seed_sessions(driver, server.base_url, sessions, kv)
             unlink_seeds(server, sessions)
             assert daemon.proc is not None
             proc = psutil.Process(daemon.proc.pid)
             before, t0, cpu0 = await kv.metrics_text(), time.time(), proc.cpu_times()
-            turns = await drive(driver, sessions, p, think, p.turns)
+            samples: list[dict[str, float]] = []
+            sampler = asyncio.ensure_future(sample_unsaved(kv, samples))
+            try:
+                turns = await drive(driver, sessions, p, think, p.turns)
+            finally:
+                sampler.cancel()
             t1, cpu1, after = time.time(), proc.cpu_times(), await kv.metrics_text()
             status = await kv.status()
         finally:
@@ -556,6 +590,7 @@ async def run_kvsidecar(
         "saves": save_intervals(events := log_events(daemon.log_path.read_text(errors="replace")), t0, t1),
         "switch_events": switch_events(events, t0, t1),
         "status_stats": status.get("stats"),
+        "unsaved_samples": samples,
         "status": {k: v for k, v in status.items() if k not in ("sessions", "servers")},
     }
 
@@ -570,6 +605,19 @@ async def run_baseline(
     t0 = time.time()
     out = await drive(pool, sessions, p, think, turns)
     return {"turns": out, "t0": t0, "t1": time.time(), "metrics": {}, "saves": [], "switch_events": []}
+
+
+async def sample_unsaved(kv: BenchClient, out: list[dict[str, float]]) -> None:
+    """The unsaved-work gauges (issue 26) every UNSAVED_POLL_S: what a crash at that moment would cost."""
+    names = ("kvsidecar_unsaved_max_age_seconds", "kvsidecar_unsaved_max_tokens", "kvsidecar_unsaved_tokens")
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            m = parse_metrics(await kv.metrics_text())
+            if any(n in m for n in names):
+                out.append(
+                    {"at": time.time(), **{n.removeprefix("kvsidecar_"): m.get(n, 0.0) for n in names}}
+                )
+        await asyncio.sleep(UNSAVED_POLL_S)
 
 
 def unlink_seeds(server: LlamaServer, sessions: list[SessionPlan]) -> None:
@@ -597,7 +645,7 @@ def run_one(
     binary: Path, model: Path, work: Path, seeds: Path, p: Params, workload: str, policy: str
 ) -> dict[str, Any]:
     parallel, think = WORKLOADS[workload]
-    n_sessions = session_count(p, parallel)
+    n_sessions = FITS_SESSIONS.get(workload) or session_count(p, parallel)
     sessions = [s for s in plans(p)[:n_sessions]]
     for s in sessions:
         s.seed_file = f"seed-{s.name}.bin"
@@ -621,7 +669,10 @@ def run_one(
     server.start()
     try:
         if policy in KV_POLICIES:
-            raw = asyncio.run(run_kvsidecar(server, run_dir, sessions, p, think, checkpoint))
+            # fits-2slots reports llama-server's prompt_ms at release (as the proxy does): the cost model then
+            # knows what recomputing unsaved tokens costs (the other workloads keep their earlier protocol)
+            prefill = workload in FITS_SESSIONS
+            raw = asyncio.run(run_kvsidecar(server, run_dir, sessions, p, think, checkpoint, prefill=prefill))
         else:
             turns = p.cold_turns if policy == "cold" else p.turns
             raw = asyncio.run(run_baseline(server, sessions, p, think, seed=policy != "cold", turns=turns))
@@ -878,6 +929,22 @@ def summarise(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]
         # was, which moves from run to run by more than the policies differ
         "prefill_ms_per_token_p50": p50([r["prompt_ms"] / r["prompt_n"] for r in rows if r["prompt_n"] > 20]),
         "daemon_cpu_s": run.get("daemon_cpu_s"),
+        # what a llama-server crash would have cost, sampled every UNSAVED_POLL_S (issue 26): the oldest
+        # unsaved work and the most unsaved tokens of one session, and their medians over the samples
+        **unsaved_summary(run.get("unsaved_samples") or []),
+        "own_save_ttft_p50_ms": p50([r["ttft_ms"] for r in rows if r["own_save_ms"] > 0]),
+        "unaffected_ttft_p50_ms": p50([r["ttft_ms"] for r in rows if r["own_save_ms"] <= 0]),
+    }
+
+
+def unsaved_summary(samples: list[dict[str, float]]) -> dict[str, float | None]:
+    ages = [s["unsaved_max_age_seconds"] for s in samples]
+    tokens = [s["unsaved_max_tokens"] for s in samples]
+    return {
+        "unsaved_age_max_s": max(ages) if ages else None,
+        "unsaved_age_p50_s": p50(ages),
+        "unsaved_tokens_max": max(tokens) if tokens else None,
+        "unsaved_tokens_p50": p50(tokens),
     }
 
 
@@ -988,6 +1055,8 @@ def run_all(p: Params, binary: Path, model: Path, work: Path) -> tuple[dict[str,
                 continue
             if policy == "cost-aware-busy" and WORKLOADS[workload][0] == 1:
                 continue  # one slot: no other slot to stall, the same as cost-aware
+            if (workload in FITS_SESSIONS) != (policy in FITS_POLICIES) and policy != "cost-aware":
+                continue  # the staleness bounds are compared where sessions keep their slots, and only there
             print(f"{workload} / {policy} ...", file=sys.stderr)
             run = run_one(binary, model, work, seeds[WORKLOADS[workload][0]], p, workload, policy)
             runs.append(run)
@@ -1006,6 +1075,7 @@ def main() -> int:
         "--hint", choices=["step_end", "turn_end", "flush"], help="send this event after each call"
     )
     parser.add_argument("--turns", type=int, help="calls per session")
+    parser.add_argument("--name", help="results file name (default: agent, or agent-quick with --quick)")
     args = parser.parse_args()
     p = QUICK if args.quick else FULL
     if args.policies:
@@ -1026,9 +1096,13 @@ def main() -> int:
     fit = fit_prefill(single or [t for r in done for t in r["turns"]])
     bpt, gbps = pre["file_bytes_per_token"], pre["read_gbps"]
     analysed = [analyse(r, bpt, gbps, fit) if r.get("available") else r for r in runs]
-    name = "agent-quick" if args.quick else "agent"
-    img = f"agent_switch{'-quick' if args.quick else ''}.png"
-    plot(analysed, ROOT / "docs" / "img" / img)
+    name = args.name or ("agent-quick" if args.quick else "agent")
+    img = f"agent_switch{name.removeprefix('agent')}.png"
+    try:
+        plot(analysed, ROOT / "docs" / "img" / img)
+    except ImportError as exc:  # matplotlib is a bench extra: the numbers do not need it
+        print(f"no plot: {exc}", file=sys.stderr)
+        img = ""
     result = {
         "variant": "quick" if args.quick else "full",
         "params": asdict(p) | {"ctx_per_slot": p.ctx_per_slot},
@@ -1053,7 +1127,11 @@ def main() -> int:
             print(
                 f"{r['workload']:13} {r['policy']:18} switches {s['switches']:3} save-on-path "
                 f"{s['switches_with_save_on_path']:3} TTFT p50 {s['p50']['ttft_ms'] or 0:9.0f} ms "
-                f"limit {s['p50']['limit_ms'] or 0:7.0f} MB/call {s['bytes_written_per_call'] / 1e6:6.0f}"
+                f"limit {s['p50']['limit_ms'] or 0:7.0f} MB/call {s['bytes_written_per_call'] / 1e6:6.0f} "
+                f"all-calls TTFT p50 {s['all_calls_ttft_p50_ms'] or 0:7.0f} ms, own-save waits "
+                f"{s['own_save_waits']} ({s['own_save_wait_s']:.1f} s), other calls stalled "
+                f"{s['other_calls_stalled_by_saves_s']:.1f} s, unsaved max {s['unsaved_age_max_s']} s / "
+                f"{s['unsaved_tokens_max']} tokens, saves {s['saves_by_trigger']}"
             )
     print(f"elapsed {time.time() - started:.0f} s", file=sys.stderr)
     return 0

@@ -115,6 +115,20 @@ class AcquireBody(_Body):
     model: _Label
     purpose: Annotated[str, Field(min_length=1, max_length=64)] | None = None
     seq: Annotated[int, Field(ge=0)] | None = None
+    # Issue 28: a cold start may begin from this session's newest snapshot (same provider and model); the
+    # id is checked as a session id (400 KV_INVALID_SESSION_ID), never used as a path
+    prefix_from: (
+        Annotated[
+            str,
+            Field(
+                min_length=1,
+                max_length=256,
+                description="a session (same provider and model) whose newest snapshot a cold start of "
+                "this one may begin from; checked as a session id (400 KV_INVALID_SESSION_ID)",
+            ),
+        ]
+        | None
+    ) = None
 
 
 class ReleaseBody(_Body):
@@ -191,10 +205,19 @@ def _route(
     *,
     body: type[BaseModel] | None = None,
     query: type[BaseModel] | None = None,
+    waits: bool = False,
 ) -> Route:
-    """A JSON route: its 200 model and the errors its handler raises are for the OpenAPI document."""
+    """A JSON route: its 200 model and the errors its handler raises are for the OpenAPI document.
+    `waits`: it waits for a slot and watches its caller (`Call.caller`)."""
     return Route(
-        method=method, path=path, handler=handler, body=body, query=query, returns=returns, errors=errors
+        method=method,
+        path=path,
+        handler=handler,
+        body=body,
+        query=query,
+        returns=returns,
+        errors=errors,
+        waits=waits,
     )
 
 
@@ -213,7 +236,9 @@ async def _routed(
     body, session_id = call.body_as(AcquireBody), call.params["session_id"]
     key, server = coordinator.session_key(session_id, body.provider, body.model, purpose)
     path = f"/v1/sessions/{segment(session_id)}/{action}"
-    return await router.acquire(key, server, path, body.model_dump(exclude_none=True), call.hop, serve)
+    return await router.acquire(
+        key, server, path, body.model_dump(exclude_none=True), call.hop, serve, caller=call.caller
+    )
 
 
 def _hook_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
@@ -228,7 +253,13 @@ def _hook_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
 
         async def serve() -> dict[str, Any]:
             result = await coordinator.acquire(
-                session_id, provider=body.provider, model=body.model, purpose=body.purpose, seq=body.seq
+                session_id,
+                provider=body.provider,
+                model=body.model,
+                purpose=body.purpose,
+                seq=body.seq,
+                caller=call.caller,
+                prefix_from=body.prefix_from,
             )
             return result.to_dict()
 
@@ -238,7 +269,7 @@ def _hook_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
         """An auxiliary request with no session (titles, compaction): it never becomes a session's state."""
         body = call.body_as(AcquireBody)
         result = await coordinator.acquire(
-            None, provider=body.provider, model=body.model, purpose=body.purpose
+            None, provider=body.provider, model=body.model, purpose=body.purpose, caller=call.caller
         )
         router = fleet()  # fleet: served here, and its lease id names this host (released anywhere)
         return router.named(result.to_dict()) if router is not None else result.to_dict()
@@ -267,9 +298,17 @@ def _hook_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
     return [
         Route(method="GET", path="/healthz", handler=healthz, public=True, returns=api_models.Health),
         _route(
-            "POST", "/v1/sessions/{session_id}/acquire", acquire, acquired, SLOT + STRICT, body=AcquireBody
+            "POST",
+            "/v1/sessions/{session_id}/acquire",
+            acquire,
+            acquired,
+            SLOT + STRICT,
+            body=AcquireBody,
+            waits=True,
         ),
-        _route("POST", "/v1/acquire", acquire_auxiliary, acquired, SLOT + STRICT, body=AcquireBody),
+        _route(
+            "POST", "/v1/acquire", acquire_auxiliary, acquired, SLOT + STRICT, body=AcquireBody, waits=True
+        ),
         _route(
             "POST",
             "/v1/leases/{lease_id}/release",
@@ -317,7 +356,9 @@ def _session_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
         session_id = call.params["session_id"]
 
         async def serve() -> dict[str, Any]:
-            result = await coordinator.acquire(session_id, provider=body.provider, model=body.model)
+            result = await coordinator.acquire(
+                session_id, provider=body.provider, model=body.model, caller=call.caller
+            )
             if result.lease_id is not None:
                 await coordinator.release(result.lease_id, status="aborted")
             out = result.to_dict()
@@ -347,7 +388,9 @@ def _session_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
     return [
         _route("POST", f"{path}/events", session_event, m.EventResponse, SLOT + STRICT, body=EventBody),
         _route("POST", f"{path}/save", save, m.SaveResponse, (NotFound, *SLOT, *STRICT)),
-        _route("POST", f"{path}/restore", restore, m.RestoreResponse, SLOT + STRICT, body=AcquireBody),
+        _route(
+            "POST", f"{path}/restore", restore, m.RestoreResponse, SLOT + STRICT, body=AcquireBody, waits=True
+        ),
         _route("POST", f"{path}/invalidate", invalidate, m.InvalidateResponse, (MetadataIO,)),
         _route("DELETE", path, purge, m.PurgeResponse, (NotFound, *SLOT, MetadataIO)),
     ]
@@ -403,7 +446,13 @@ async def _doctor(coordinator: Coordinator, *, deep: bool) -> dict[str, Any]:
         async def hold(fn: Callable[[int], Awaitable[Any]], name: str = name) -> Any:
             return await coordinator.with_slot(name, fn)
 
-        doc = Doctor(config=coordinator.config, server=name, backend=srv.backend, hold_slot=hold)
+        doc = Doctor(
+            config=coordinator.config,
+            server=name,
+            backend=srv.backend,
+            hold_slot=hold,
+            snapshot_anchor=coordinator.store.snapshot_anchor(name),  # the directory the daemon holds
+        )
         reports.append((await doc.run(deep=deep)).to_dict())
     order = ["READY", "DEGRADED", "NOT READY"]
     return {"result": max((r["result"] for r in reports), key=order.index), "servers": reports}

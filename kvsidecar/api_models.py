@@ -49,6 +49,9 @@ class RestoreResponse(BaseModel):
     evicted: str | None = Field(description="the short id of the session whose slot this was")
     reason: str | None = Field(description="why a cold_fallback or bypass (docs/API.md)")
     actions: list[str]
+    shared_tokens: int | None = Field(
+        description="tokens of another session's snapshot a cold start began from (prefix_from)"
+    )
 
 
 class AcquireResponse(RestoreResponse):
@@ -56,10 +59,17 @@ class AcquireResponse(RestoreResponse):
 
 
 class ReleaseResponse(BaseModel):
-    released: Literal[True]
+    # False only with `queued` (fleet mode): the lease's host is not live; the release is recorded for it
+    # and applied when it is back (docs/FLEET.md)
+    released: bool
     dirty: bool
     revision: Absent[int]
     restore_verification: Absent[Literal["effective", "ineffective", "unknown"]]
+    # issue 28: a cold start's reuse, KV another session left or donated; else what the slot held before
+    shared_tokens: Absent[int]
+    held_tokens: Absent[int]
+    queued: Absent[bool]
+    host: Absent[str]
 
 
 class EventResponse(BaseModel):
@@ -107,6 +117,14 @@ class SessionView(BaseModel):
     saved_revision: int
     last_error: str | None
     snapshot: SnapshotView | None
+    unsaved_age_s: float | None = Field(
+        description="seconds since its first turn no saved generation holds; null when nothing is unsaved"
+    )
+    unsaved_tokens: int | None = Field(
+        description="tokens a llama-server crash would cost it now (past the saved generation its slot "
+        "extends); 0 when nothing is unsaved, null when the slot's size is unknown"
+    )
+    unsaved_turns: int = Field(description="successful turns since its last save")
 
 
 class SessionsResponse(BaseModel):
@@ -118,11 +136,25 @@ class SessionResponse(BaseModel):
 
 
 # -- status ------------------------------------------------------------------------------------------------
+class ModelIdentityView(BaseModel):
+    code: Literal["KV_MODEL_BOUND_TO_PROCESS", "KV_MODEL_UNPROVEN"] = Field(
+        description="KV_MODEL_BOUND_TO_PROCESS: a snapshot restores only into the llama-server process that "
+        "saved it, never after it restarts; KV_MODEL_UNPROVEN: the process may load its model again, so a "
+        "snapshot restores only until the next fingerprint (never after a restart or a reload)"
+    )
+    why: str
+    fix: str
+
+
 class RuntimeView(BaseModel):
     identity: str
     canary: str
     canary_failures: int
     restarts_seen: int
+    model_identity: ModelIdentityView | None = Field(
+        description="why the loaded model cannot be proven across a llama-server restart (issue 26 A); "
+        "null when it can (or the server is not local)"
+    )
 
 
 class SlotView(BaseModel):
@@ -130,11 +162,17 @@ class SlotView(BaseModel):
     owner: str | None
     state: str = Field(description="idle, aux, ready, dirty, inference, or the operation holding it")
     tokens: int | None
+    unsaved_age_s: float | None = Field(description="its owner's unsaved age (see SessionView)")
+    unsaved_tokens: int | None = Field(description="its owner's unsaved tokens (see SessionView)")
+    unsaved_turns: int = Field(description="its owner's turns since its last save")
 
 
 class SetupWarningView(BaseModel):
-    code: Literal["KV_SAVE_PATH_MISMATCH"] = Field(
-        description="KV_SAVE_PATH_MISMATCH: llama-server's --slot-save-path is not this server's snapshot_dir"
+    code: Literal["KV_SAVE_PATH_MISMATCH", "KV_SNAPSHOT_DIR_MOVED"] = Field(
+        description="KV_SAVE_PATH_MISMATCH: llama-server's --slot-save-path is not this server's "
+        "snapshot_dir; KV_SNAPSHOT_DIR_MOVED: the snapshot directory's path (or manifests/, "
+        "fingerprints/) no longer leads to the directory kvsidecar opened at start: nothing is saved or "
+        "restored there until it does"
     )
     server: str
     message: str
@@ -144,8 +182,8 @@ class SetupWarningView(BaseModel):
 class PersistenceNow(BaseModel):
     state: Literal["healthy", "off", "unavailable", "degraded", "misconfigured"]
     reason: str | None = Field(
-        description="DISABLED, SERVER_DOWN, NO_SLOTS_ENDPOINT, CIRCUIT_DEGRADED, CIRCUIT_OPEN, "
-        "CIRCUIT_HALF_OPEN, or a setup "
+        description="DISABLED, SERVER_DOWN, NO_SLOTS_ENDPOINT, SNAPSHOT_DIR_MOVED, CIRCUIT_DEGRADED, "
+        "CIRCUIT_OPEN, CIRCUIT_HALF_OPEN, or a setup "
         "warning's code (KV_SAVE_PATH_MISMATCH); null when healthy"
     )
 
@@ -211,6 +249,14 @@ class FleetView(BaseModel):
     fenced: int = Field(description="writes of a session's files refused: another host owns it now")
 
 
+class ProxyView(BaseModel):
+    content_identity: bool
+    conversations: int = Field(description="conversations the proxy's content table knows (digests only)")
+    divergences: list[dict[str, Any]] = Field(
+        description="the latest turns whose reuse was low or whose messages diverged (PROMPT_DIVERGED)"
+    )
+
+
 class StatusResponse(BaseModel):
     enabled: bool
     servers: list[ServerView]
@@ -221,6 +267,7 @@ class StatusResponse(BaseModel):
     cost_model: dict[str, CostView]
     config: ConfigView
     fleet: Absent[FleetView] = Field(description="present when fleet.enabled")
+    proxy: Absent[ProxyView] = Field(description="present when the proxy runs (issue 28, docs/CLIENTS.md)")
 
 
 # -- doctor and gc -----------------------------------------------------------------------------------------

@@ -40,6 +40,8 @@ def persistence_state(srv: dict[str, Any], enabled: bool = True) -> str:
         return f"persistence UNAVAILABLE (server down{error})"
     if reason == "NO_SLOTS_ENDPOINT":
         return "persistence UNAVAILABLE (llama-server runs without --slots)"
+    if reason == "SNAPSHOT_DIR_MOVED":
+        return "persistence UNAVAILABLE (SNAPSHOT_DIR_MOVED: the snapshot directory moved, see the warning)"
     if now["state"] == "degraded":
         return f"persistence {str(srv.get('persistence', 'unknown')).upper()} (circuit breaker)"
     if now["state"] == "misconfigured":

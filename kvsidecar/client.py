@@ -72,9 +72,12 @@ class AsyncKvSidecar:
         model: str,
         purpose: str | None = None,
         seq: int | None = None,
+        prefix_from: str | None = None,
     ) -> Lease:
         return await self._send(
-            wire.acquire_lease(session_id, provider=provider, model=model, purpose=purpose, seq=seq)
+            wire.acquire_lease(
+                session_id, provider=provider, model=model, purpose=purpose, seq=seq, prefix_from=prefix_from
+            )
         )
 
     async def release(
@@ -105,9 +108,12 @@ class AsyncKvSidecar:
         model: str,
         purpose: str | None = None,
         seq: int | None = None,
+        prefix_from: str | None = None,
     ) -> AsyncIterator[Lease]:
         """A lease for the block: released "ok" with `lease.report()`'s numbers, or "aborted" if it raised."""
-        lease = await self.acquire_lease(session_id, provider=provider, model=model, purpose=purpose, seq=seq)
+        lease = await self.acquire_lease(
+            session_id, provider=provider, model=model, purpose=purpose, seq=seq, prefix_from=prefix_from
+        )
         completed = False
         try:
             yield lease

@@ -59,9 +59,12 @@ class KvSidecar:
         model: str,
         purpose: str | None = None,
         seq: int | None = None,
+        prefix_from: str | None = None,
     ) -> Lease:
         return self._send(
-            wire.acquire_lease(session_id, provider=provider, model=model, purpose=purpose, seq=seq)
+            wire.acquire_lease(
+                session_id, provider=provider, model=model, purpose=purpose, seq=seq, prefix_from=prefix_from
+            )
         )
 
     def release(
@@ -92,9 +95,12 @@ class KvSidecar:
         model: str,
         purpose: str | None = None,
         seq: int | None = None,
+        prefix_from: str | None = None,
     ) -> Iterator[Lease]:
         """A lease for the block: released "ok" with `lease.report()`'s numbers, or "aborted" if it raised."""
-        lease = self.acquire_lease(session_id, provider=provider, model=model, purpose=purpose, seq=seq)
+        lease = self.acquire_lease(
+            session_id, provider=provider, model=model, purpose=purpose, seq=seq, prefix_from=prefix_from
+        )
         completed = False
         try:
             yield lease

@@ -43,6 +43,7 @@ class Lease:
     restore_ms: float | None = None
     evicted: str | None = None
     reason: str | None = None
+    shared_tokens: int | None = None  # issue 28: tokens of a prefix_from donor's snapshot restored
     actions: list[str] = field(default_factory=list)
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
@@ -156,9 +157,18 @@ def raw(method: Method, path: str, body: dict[str, Any] | None = None) -> Call[A
 
 
 def acquire_lease(
-    session_id: str | None, *, provider: str, model: str, purpose: str | None, seq: int | None
+    session_id: str | None,
+    *,
+    provider: str,
+    model: str,
+    purpose: str | None,
+    seq: int | None,
+    prefix_from: str | None = None,
 ) -> Call[Lease]:
-    body = {"provider": provider, "model": model} | _optional(purpose=purpose, seq=seq)
+    """`prefix_from` (issue 28): a session whose newest snapshot a cold start may begin from."""
+    body = {"provider": provider, "model": model} | _optional(
+        purpose=purpose, seq=seq, prefix_from=prefix_from
+    )
     path = "/v1/acquire" if session_id is None else _session_path(session_id, "acquire")
     return Call("POST", path, body, _lease)
 

@@ -153,6 +153,14 @@ class CheckpointConfig(_Model):
     # one starts only when no other slot of that server is working; true trades that stall in the other
     # slots' streams for more switches that find their slot clean.
     clean_ahead_while_busy: bool = False
+    # Crash safety (issue 26): how stale a resident session's newest saved generation may get, in seconds
+    # since its first unsaved turn and in turns (0 disables a bound; both 0: none of this, as before). Past a
+    # bound the session is saved in the background at the next idle moment of its server (no slot working,
+    # nobody waiting), even when the cost model predicts its next request may wait for it; before that it
+    # is saved only when the save is predicted to end before its next request and is worth it (checkpoint.py
+    # `protect`).
+    max_unsaved_s: float = Field(default=300.0, ge=0)
+    max_unsaved_turns: int = Field(default=0, ge=0)
 
 
 class RestoreConfig(_Model):
@@ -160,6 +168,14 @@ class RestoreConfig(_Model):
     verify_checksum: bool = True
     # A restore after which the engine reused less than this share of the restored tokens is "ineffective".
     min_reuse_ratio: float = Field(default=0.5, ge=0, le=1)
+    # After a llama.cpp upgrade, carry a session's snapshot over to the new build when the build is all that
+    # changed and the new build is proven to compute bit-identical KV (docs/FINGERPRINT.md, issue 29).
+    carry_over_builds: bool = True
+    # Issue 28: a cold session starts from the KV another session of the same credential scope left in the
+    # slot (no erase), or from that session's snapshot (the acquire's `prefix_from` hint). The engine reuses
+    # only an exact token prefix, so this changes speed, never an answer; off: every cold start erases its
+    # slot and the hint is ignored (no prefix timing can be observed across sessions). docs/CLIENTS.md
+    share_prefix: bool = True
 
 
 class FailureConfig(_Model):
@@ -212,6 +228,10 @@ class _Listener(_Model):
     body_timeout_s: float = Field(default=30.0, gt=0)
     # A client that does not take the answer (nothing drained) for this long is cut.
     client_stall_s: float = Field(default=60.0, gt=0)
+    # Request bodies still arriving `slow_body_s` after their head, per credential (the bearer token; one
+    # bucket for requests without it): one more is answered 429 KV_TOO_MANY_BODIES and closed.
+    max_slow_bodies: int = Field(default=32, ge=1, le=100_000)
+    slow_body_s: float = Field(default=1.0, gt=0)
 
     @property
     def host(self) -> str:
@@ -229,6 +249,9 @@ class ApiConfig(_Listener):
     allow_public_bind: bool = False
     max_body_bytes: Bytes = ByteSize(64 * 1024)
     lease_ttl_s: float = Field(default=600.0, gt=0)
+    # A lease not yet seen in use (no model call on its slot, no renewal) ends this long after its grant
+    # instead of after lease_ttl_s: nobody holds it (its caller left as it was granted). Issue 26 C.
+    lease_claim_ttl_s: float = Field(default=30.0, gt=0)
 
 
 class ProxyConfig(_Listener):
@@ -243,12 +266,58 @@ class ProxyConfig(_Listener):
     # What names a session's KV: the session id and the request's `model` string (two model strings are two
     # sessions), or the session id alone (for clients that vary `model`; llama-server runs its own model).
     identity: Literal["session+model", "session"] = "session+model"
+    # Issue 28: a request that names no session (aider, curl, the openai SDK) continues the conversation of
+    # the same credential whose messages it extends (a content-derived id, digests only); off: it runs as an
+    # auxiliary request, as before. docs/CLIENTS.md
+    content_identity: bool = True
     max_body_bytes: Bytes = ByteSize(32 * 2**20)
     body_timeout_s: float = Field(default=120.0, gt=0)  # bodies here run to megabytes
     upstream_timeout_s: float = Field(default=600.0, gt=0)
 
 
 HOST_ID = re.compile(r"\A[A-Za-z0-9._-]{1,64}\Z")  # it names Redis keys: no separators, no spaces
+# An origin and nothing else: http(s), a host (a name, an IPv4 or a bracketed IPv6 literal), an explicit
+# port, at most a lone "/" (no path, query, fragment, userinfo, escapes, spaces or controls).
+_ORIGIN = re.compile(
+    r"\A(https?)://(?:\[([0-9A-Fa-f:.]{2,45})\]|([A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?))"
+    r":([0-9]{1,5})/?\Z"
+)
+
+
+def http_origin(value: object) -> str | None:
+    """`scheme://host:port` (lower-cased host) when `value` is exactly an http(s) origin, else None.
+
+    Fleet mode builds every URL it sends to from such an origin and a path of its own: a host record (a
+    Redis value, input like any other) can name where a host is, never what is asked of it there."""
+    if not isinstance(value, str) or len(value) > 300:
+        return None
+    m = _ORIGIN.match(value)
+    if m is None:
+        return None
+    scheme, v6, name, port = m.groups()
+    if not 0 < int(port) < 65536 or port.startswith("0"):
+        return None
+    if v6 is not None:
+        try:
+            host = f"[{ipaddress.IPv6Address(v6).compressed}]"
+        except ValueError:
+            return None
+    else:
+        host = name.lower()
+        labels = host.split(".")
+        if any(
+            not label or len(label) > 63 or label.startswith("-") or label.endswith("-") for label in labels
+        ):
+            return None
+        if all(label.isdigit() for label in labels):  # dotted digits: an IPv4 address, canonical only
+            try:
+                if str(ipaddress.IPv4Address(host)) != host:
+                    return None
+            except ValueError:
+                return None
+    return f"{scheme}://{host}:{int(port)}"
+
+
 _REDIS_URL = re.compile(r"\A(?:rediss?://[^/\s]+(?:/\d{1,5})?/?|unix:///\S+)\Z")
 
 
@@ -369,6 +438,16 @@ class Config(_Model):
             out.append(
                 f"fleet.advertise_proxy_url: required when proxy.listen is the wildcard {proxy_host!r}"
             )
+        if self.fleet.enabled:
+            advertised = [("fleet.advertise_url", self.advertise_url())]
+            if self.proxy.enabled:
+                advertised.append(("fleet.advertise_proxy_url", self.advertise_proxy_url() or ""))
+            for key, url in advertised:
+                if http_origin(url) is None:
+                    out.append(
+                        f"{key}: must be an origin only, http(s)://HOST:PORT with an explicit port and no "
+                        "path, query or userinfo (the other hosts refuse anything else)"
+                    )
         shared = self.fleet.shared_dir
         if shared is not None:
             others = [("state_dir", self.state_dir)]

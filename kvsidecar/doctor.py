@@ -18,12 +18,16 @@ import psutil
 from kvsidecar.backend.base import BackendCapabilities, BackendSlot, KvBackend
 from kvsidecar.buildcheck import cpu_info, isa_flags
 from kvsidecar.config import Config, Mode, ServerConfig
-from kvsidecar.errors import KvError
+from kvsidecar.errors import DirMoved, KvError
 from kvsidecar.gguf_meta import GgufError, read_metadata, sliding_window
 from kvsidecar.retention import free_floor_bytes
+from kvsidecar.savepath import llama_save_dir
 from kvsidecar.store.atomic import atomic_write_bytes
-from kvsidecar.store.fingerprint import ProcessInfo, find_llama_process
+from kvsidecar.store.confined import DIR_MOVED, DirAnchor, lstat_at
+from kvsidecar.store.fingerprint import ProcessInfo, find_llama_process, model_proof
 from kvsidecar.store.llama_exit import crash_hint, recent_crashes, unit_of
+from kvsidecar.store.state_format import KNOWN_VERSIONS as STATE_VERSIONS
+from kvsidecar.store.state_format import MAGIC as STATE_MAGIC
 
 Status = Literal["OK", "WARN", "FAIL", "SKIP"]
 # Runs `fn(slot_id)` while the slot is held exclusively (in the daemon: an auxiliary lease).
@@ -75,6 +79,7 @@ class Doctor:
         process_finder: Callable[[str], ProcessInfo | None] = find_llama_process,
         hold_slot: SlotHolder | None = None,
         crash_reader: Callable[[str | None], tuple[list[str], str]] = recent_crashes,
+        snapshot_anchor: DirAnchor | None = None,
     ) -> None:
         self.config = config
         self.name = server
@@ -83,6 +88,11 @@ class Doctor:
         self.process_finder = process_finder
         self.hold_slot = hold_slot
         self.crash_reader = crash_reader
+        # The daemon's held snapshot directory (its path must still lead there); None (the CLI): the
+        # configured directory, opened for each probe and checked before and after it.
+        self.snapshot_anchor = snapshot_anchor
+        self.daemon_anchor = snapshot_anchor is not None
+        self._theirs: str | None = None  # llama-server's --slot-save-path as seen from here, when known
 
     async def run(self, *, deep: bool = False) -> DoctorReport:
         report = DoctorReport(server=self.name, endpoint=self.server.base_url)
@@ -94,6 +104,7 @@ class Doctor:
             return report
         slots = await self._slots(report, caps)
         process = self.process_finder(self.server.base_url)
+        self._theirs = llama_save_dir(process)
         self._exits(report, process)
         self._process(report, caps, process)
         await self._save_path(report, process, slots, deep=deep)
@@ -123,6 +134,13 @@ class Doctor:
     async def _slots(self, report: DoctorReport, caps: BackendCapabilities) -> list[BackendSlot]:
         if not caps.slots_endpoint:
             report.add("/slots endpoint", "FAIL", "GET /slots is disabled", "start llama-server with --slots")
+            return []
+        if caps.sleeping:  # GET /slots would wake it (its model loaded again): only --deep does that
+            report.add(
+                "/slots endpoint",
+                "SKIP",
+                "llama-server is in sleep mode (--sleep-idle-seconds): not woken to list its slots",
+            )
             return []
         slots = await self.backend.inspect_slots()
         ids = [s.id for s in slots]
@@ -170,8 +188,19 @@ class Doctor:
             + "; check a binary with `python -m kvsidecar.buildcheck smoke BINARY MODEL`",
         )
 
+    def _model_identity(
+        self, report: DoctorReport, caps: BackendCapabilities, process: ProcessInfo | None
+    ) -> None:
+        """Can a snapshot saved now be restored after llama-server restarts (issue 26 A)?"""
+        proof = model_proof(caps, process)
+        if proof is not None:
+            report.add("model identity", "WARN", f"{proof.code}: {proof.why}", proof.fix)
+        elif process is not None:
+            report.add("model identity", "OK", "the loaded model is proven by what llama-server maps")
+
     def _process(self, report: DoctorReport, caps: BackendCapabilities, process: ProcessInfo | None) -> None:
         if process is None:
+            self._model_identity(report, caps, None)
             report.add(
                 "llama-server process",
                 "WARN",
@@ -187,6 +216,7 @@ class Doctor:
             f"{flags.get('cache_type_v', 'f16')}, flash-attn {flags.get('flash_attn', 'auto')}, "
             f"kv-unified {flags.get('kv_unified', 'off')} (all part of the snapshot fingerprint)",
         )
+        self._model_identity(report, caps, process)
         self._swa(report, caps, flags)
         if flags.get("kv_unified") == "on" and flags.get("no_cache_idle_slots") != "on":
             report.add(
@@ -224,10 +254,36 @@ class Doctor:
                 "add --swa-full to llama-server",
             )
 
+    def _probe_anchor(self) -> DirAnchor:
+        """The snapshot directory a probe file is checked and removed in (never through its path)."""
+        if self.snapshot_anchor is None:
+            configured = self.server.snapshot_dir
+            anchor = DirAnchor(Path(os.path.realpath(configured)), area="doctor", views=(str(configured),))
+            anchor.hold()  # OSError: no such directory
+            self.snapshot_anchor = anchor
+        return self.snapshot_anchor
+
+    def _dir_moved(self, report: DoctorReport, name: str, when: str) -> bool:
+        """FAIL (and True) when the snapshot directory's path (or llama-server's) leads elsewhere than
+        the directory held: a probe then writes nothing there, and deletes nothing through it."""
+        try:
+            why = self._probe_anchor().moved(self._theirs)
+        except OSError as exc:
+            why = f"{self.server.snapshot_dir}: cannot open as a directory ({exc.strerror})"
+        if why is None:
+            return False
+        report.add(name, "FAIL", f"{DIR_MOVED} {when}: {why}", DirMoved.default_hint)
+        return True
+
     async def _save_path(
         self, report: DoctorReport, process: ProcessInfo | None, slots: list[BackendSlot], *, deep: bool
     ) -> None:
         ours = self.server.snapshot_dir
+        if self.daemon_anchor and (not process or _same_dir(self._theirs or ours, ours)):
+            # the daemon's: is the directory it opened at start still where the paths lead?
+            if self._dir_moved(report, "snapshot directory", "(nothing is saved or restored there)"):
+                return
+            report.add("snapshot directory", "OK", f"{ours} still leads to the directory opened at start")
         if process is not None:
             theirs = process.flags.get("slot_save_path")
             if not theirs:
@@ -261,25 +317,61 @@ class Doctor:
 
     async def _probe_save(self, report: DoctorReport, slot_id: int) -> None:
         name = f"kvsidecar-doctor-{secrets.token_hex(6)}.bin"
-        path = self.server.snapshot_dir / name
 
         async def probe(sid: int) -> None:
             await self.backend.save_slot(sid, name)
 
+        if self._dir_moved(report, "--slot-save-path", "before the save probe; not run"):
+            return
         try:
             await (self.hold_slot(probe) if self.hold_slot else probe(slot_id))
         except KvError as exc:
             report.add("--slot-save-path", "FAIL", f"save probe failed: {exc.message}", exc.hint)
             return
-        if path.exists():
-            path.unlink()
+        if self._dir_moved(report, "--slot-save-path", "during the save probe"):
+            return
+        version = _probe_version(self._probe_anchor(), name)
+        if _remove_probe(self._probe_anchor(), name):
             report.add("--slot-save-path", "OK", f"a probe save appeared in {self.server.snapshot_dir}")
+            self._upgrades(report, version)
         else:
             report.add(
                 "--slot-save-path",
                 "FAIL",
                 f"the server saved {name} somewhere else than {self.server.snapshot_dir}",
                 f"make servers.{self.name}.snapshot_dir and --slot-save-path the same directory",
+            )
+
+    def _upgrades(self, report: DoctorReport, version: int | None) -> None:
+        """Will this server's snapshots survive a llama.cpp upgrade (issue 29)? Which state format it writes,
+        and whether snapshots of another build are carried over when proven equivalent."""
+        if not self.config.restore.carry_over_builds:
+            report.add(
+                "llama.cpp upgrades",
+                "WARN",
+                "restore.carry_over_builds is off: after an upgrade every snapshot costs a cold prefill",
+                "set restore.carry_over_builds: true",
+            )
+        elif version is None or version not in STATE_VERSIONS:
+            report.add(
+                "llama.cpp upgrades",
+                "WARN",
+                f"this build writes state format {'unknown' if version is None else f'v{version}'}, which "
+                "kvsidecar cannot parse: after an upgrade its snapshots are cold starts",
+                "use a llama.cpp build whose state format kvsidecar knows (v3, v4)",
+            )
+        else:
+            canary = self.server.runtime_canary
+            carried = (
+                "a snapshot of another build is carried over on its session's next acquire when only the "
+                "build differs and the new build recomputes its first rows bit-identically"
+            )
+            report.add(
+                "llama.cpp upgrades",
+                "OK" if canary else "WARN",
+                f"state format v{version}; "
+                + (carried if canary else "with runtime_canary off no snapshot is carried over an upgrade"),
+                "" if canary else f"set servers.{self.name}.runtime_canary: true",
             )
 
     def _metadata(self, report: DoctorReport) -> None:
@@ -338,23 +430,25 @@ class Doctor:
 
         async def run(slot_id: int) -> tuple[int, int, int]:
             name = f"kvsidecar-doctor-{secrets.token_hex(6)}.bin"
+            anchor = self._probe_anchor()
             await self.backend.erase_slot(slot_id)
             await self.backend.run_prompt(slot_id, prompt, n_predict=1)
+            anchor.ensure(self._theirs)  # the paths must lead to the held directory, before and after
             saved = await self.backend.save_slot(slot_id, name)
             try:
+                anchor.ensure(self._theirs)
                 await self.backend.erase_slot(slot_id)
                 await self.backend.restore_slot(slot_id, name)
                 again = await self.backend.run_prompt(slot_id, prompt, n_predict=1)
             finally:
-                with contextlib.suppress(OSError):
-                    (self.server.snapshot_dir / name).unlink()
+                _remove_probe(anchor, name)
             return saved.tokens, again.reused, again.computed
 
         try:
             saved, reused, computed = await (
                 self.hold_slot(run) if self.hold_slot else run(self.server.slot_id)
             )
-        except KvError as exc:
+        except (KvError, OSError) as exc:
             report.add("restore reuse (deep)", "FAIL", f"the round trip failed: {exc}")
             return
         if saved and reused >= 0.9 * (saved - 2):
@@ -372,3 +466,26 @@ class Doctor:
                 "a restore: snapshots are useless on this model/build",
                 "SWA model? add --swa-full; hybrid/recurrent models may not support reuse after restore",
             )
+
+
+def _probe_version(anchor: DirAnchor, name: str) -> int | None:
+    """The state-format version in a probe file's header (read in the held directory), or None."""
+    with contextlib.suppress(OSError, KvError, ValueError), anchor.fd() as dfd:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+        try:
+            head = os.read(fd, 8)
+        finally:
+            os.close(fd)
+        if len(head) == 8 and int.from_bytes(head[:4], "little") == STATE_MAGIC:
+            return int.from_bytes(head[4:], "little")
+    return None
+
+
+def _remove_probe(anchor: DirAnchor, name: str) -> bool:
+    """Remove a probe file through the held directory (never through its path, a link at the name is
+    removed itself); whether one was there."""
+    with contextlib.suppress(OSError, KvError), anchor.fd() as dfd:
+        if lstat_at(name, dfd) is not None:
+            os.unlink(name, dir_fd=dfd)
+            return True
+    return False

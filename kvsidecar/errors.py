@@ -16,6 +16,7 @@
     │   ├── SnapshotCorrupt         KV_SNAPSHOT_CORRUPT      size, header or checksum mismatch
     │   ├── ManifestInvalid         KV_MANIFEST_INVALID
     │   └── MetadataIO              KV_METADATA_IO
+    │       └── DirMoved            KV_SNAPSHOT_DIR_MOVED    a path no longer leads to the directory held
     ├── RequestError                what a client sent us
     │   ├── BadRequest              KV_BAD_REQUEST
     │   ├── InvalidSessionId        KV_INVALID_SESSION_ID
@@ -25,8 +26,10 @@
     │   ├── NotFound                KV_NOT_FOUND             no such route, session
     │   ├── MethodNotAllowed        KV_METHOD_NOT_ALLOWED    a route that does not take this method
     │   ├── ProxyForbidden          KV_PROXY_FORBIDDEN       a route the proxy does not forward
-    │   └── RequestTimeout          KV_REQUEST_TIMEOUT       a request head not complete in time
+    │   ├── RequestTimeout          KV_REQUEST_TIMEOUT       a request head not complete in time
+    │   └── HeadersTooLarge         KV_HEADERS_TOO_LARGE     a request head over the listener's limits
     ├── TooManyConnections          KV_TOO_MANY_CONNECTIONS  a listener at max_connections, all busy
+    ├── TooManyBodies               KV_TOO_MANY_BODIES       one credential's slow bodies at their cap
     ├── SlotBusy                    KV_SLOT_BUSY
     ├── ShuttingDown                KV_SHUTTING_DOWN         SIGTERM while a request waited
     ├── SlotStateInvalid            KV_SLOT_STATE_INVALID
@@ -138,6 +141,18 @@ class MetadataIO(SnapshotError):
     default_hint = "Check that kvsidecar's state_dir exists, is writable and the disk is not full."
 
 
+class DirMoved(MetadataIO):
+    """A directory kvsidecar holds open (a snapshot directory, manifests/, fingerprints/) is no longer what
+    its configured path (or llama-server's --slot-save-path) resolves to: a link retargeted, the directory
+    or an ancestor replaced. Nothing is saved, restored or written there until the path leads back."""
+
+    code = "KV_SNAPSHOT_DIR_MOVED"
+    default_hint = (
+        "Point the path back at the directory kvsidecar started with, or restart kvsidecar and llama-server "
+        "with a snapshot_dir / --slot-save-path that name the same real directory."
+    )
+
+
 class Fenced(MetadataIO):
     """Fleet mode: a manifest commit or delete under a fencing token lower than the one the shared store
     has recorded for the session key: another host took the session over; this host's copy is stale."""
@@ -195,6 +210,22 @@ class ProxyForbidden(RequestError):
 class RequestTimeout(RequestError):
     code = "KV_REQUEST_TIMEOUT"
     default_hint = "Send the whole request head within header_timeout_s (api/proxy config)."
+
+
+class HeadersTooLarge(RequestError):
+    code = "KV_HEADERS_TOO_LARGE"
+    default_hint = (
+        "Send at most 64 headers, each line under 8 KiB, 32 KiB of head in all, a target under 8 KiB "
+        "(below what llama-server accepts)."
+    )
+
+
+class TooManyBodies(KvError):
+    code = "KV_TOO_MANY_BODIES"
+    default_hint = (
+        "This credential already has max_slow_bodies request bodies arriving slowly; send bodies "
+        "whole, or retry after Retry-After seconds."
+    )
 
 
 class TooManyConnections(KvError):
@@ -265,6 +296,7 @@ HTTP_STATUS: dict[str, int] = {
     ManifestInvalid.code: 500,
     MetadataIO.code: 500,
     Fenced.code: 409,
+    DirMoved.code: 503,
     BadRequest.code: 400,
     InvalidSessionId.code: 400,
     LeaseNotFound.code: 404,
@@ -274,6 +306,8 @@ HTTP_STATUS: dict[str, int] = {
     MethodNotAllowed.code: 405,
     ProxyForbidden.code: 403,
     RequestTimeout.code: 408,
+    HeadersTooLarge.code: 431,
+    TooManyBodies.code: 429,
     TooManyConnections.code: 503,
     SlotBusy.code: 503,
     ShuttingDown.code: 503,

@@ -60,8 +60,9 @@ def _value(f: IO[bytes], vtype: int, *, keep: bool) -> Any:
     raise GgufError(f"unknown GGUF value type {vtype}")
 
 
-def read_metadata(path: Path, *, max_keys: int = 4096) -> dict[str, Any]:
-    """Scalar and string metadata of a GGUF file (arrays are skipped)."""
+def read_metadata(path: Path, *, max_keys: int = 4096, arrays: set[str] | None = None) -> dict[str, Any]:
+    """Scalar and string metadata of a GGUF file (arrays are skipped; their keys are added to `arrays`
+    when given, so a caller can tell that one is present)."""
     with path.open("rb") as f:
         if f.read(4) != b"GGUF":
             raise GgufError(f"{path.name} is not a GGUF file")
@@ -79,6 +80,8 @@ def read_metadata(path: Path, *, max_keys: int = 4096) -> dict[str, Any]:
             value = _value(f, vtype, keep=False)
             if value is not None:
                 meta[key] = value
+            elif vtype == _ARRAY and arrays is not None:
+                arrays.add(key)
         return meta
 
 

@@ -17,6 +17,23 @@ httptools protocol with four limits per listener (`api.*` / `proxy.*` in the con
   refused (503 `KV_TOO_MANY_CONNECTIONS` with `Retry-After`, closed). So a flood of half-sent requests
   cannot keep /healthz (or anything else) out, and the listener never holds more descriptors than its cap.
 
+Request heads are held to limits below what llama-server's HTTP library (cpp-httplib, as llama.cpp builds
+it: 100 headers, 8 KiB a header line, a 32 KiB target) accepts, so that nothing the proxy takes in is
+refused by llama-server after a slot was prepared for it: at most `MAX_HEADERS` headers, each line
+(`name: value`) at most `MAX_HEADER_LINE` bytes, `MAX_HEAD_BYTES` in all, a target of at most
+`MAX_TARGET` bytes. Beyond: 431 `KV_HEADERS_TOO_LARGE` in the listener's shape, closed, before the app runs.
+The target must be origin-form (`/path?query`); an absolute-form target (`http://host/path`) names the
+authority the request is for, so it replaces the `Host` header (RFC 9112 §3.2.2: the app's Host guard
+checks it); any other form (`*`, `host:port`, another scheme, userinfo) is 400 `KV_BAD_REQUEST`.
+
+Slow bodies, per credential (`max_slow_bodies`, `slow_body_s`): a body still arriving `slow_body_s` after its
+head counts against its credential (the app's `ListenerState.credential`: the proxy's token, one bucket
+for requests without it); with `max_slow_bodies` of them already counted, it is answered 429
+`KV_TOO_MANY_BODIES` (`Retry-After`) and closed. A body sent with its head never counts. At
+`max_connections` with no idle connection left, a credential with more than `max_slow_bodies` bodies still
+arriving (counted or not yet) loses its oldest one the same way (429) to make room for the newcomer: one
+credential's slow uploads cannot keep the listener full for `body_timeout_s`.
+
 A request the HTTP parser refuses (a bad request line or header, two Content-Lengths, broken chunked
 framing) is answered 400 `KV_BAD_REQUEST` in the listener's error shape and the connection closed, in place
 of uvicorn's plain-text 400. On a pipelined connection the answers to the requests before it go out whole
@@ -30,19 +47,60 @@ request), so the hook fast path pays a few microseconds (measured: bench_hooks p
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
+from typing import Any, NoReturn
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from kvsidecar.errors import BadRequest, KvError, RequestTimeout, TooManyConnections, http_status
+from kvsidecar.errors import (
+    BadRequest,
+    HeadersTooLarge,
+    KvError,
+    RequestTimeout,
+    TooManyBodies,
+    TooManyConnections,
+    http_status,
+)
 from kvsidecar.logs import event
 
 log = logging.getLogger("kvsidecar.listener")
+
+# A request head, at most (cpp-httplib as llama.cpp builds it: 100 headers, 8192 bytes a header line with
+# its CRLF, a 32768-byte target; the proxy adds a few headers of its own, so the count has room).
+MAX_HEADERS = 64
+MAX_HEADER_LINE = 8000  # `name: value`, without the CRLF
+MAX_TARGET = 8192
+MAX_HEAD_BYTES = 32 * 1024  # the target and every header line together
+Credential = Callable[[list[tuple[bytes, bytes]]], bytes]
+
+
+def _anyone(_: list[tuple[bytes, bytes]]) -> bytes:
+    return b""
+
+
+def bearer_credential(expected: bytes | None) -> Credential:
+    """A listener's slow-body buckets: requests carrying its bearer token (`expected`, the whole
+    `Authorization` value), and everything else (no token configured: one bucket for all)."""
+    if expected is None:
+        return _anyone
+
+    def credential(headers: list[tuple[bytes, bytes]]) -> bytes:
+        for name, value in headers:
+            if name == b"authorization" and hmac.compare_digest(value, expected):
+                return b"token"
+        return b""
+
+    return credential
+
+
+class _Refused(Exception):
+    """Raised from a parser callback (the parser stops there): the head is refused, see `_refuse_head`."""
 
 
 def _canned(error: KvError, shape: Callable[[KvError], Any] | None = None) -> bytes:
@@ -51,7 +109,7 @@ def _canned(error: KvError, shape: Callable[[KvError], Any] | None = None) -> by
     as the apps' own 503s do)."""
     body = json.dumps(shape(error) if shape is not None else {"error": error.to_dict()}).encode()
     status = http_status(error)
-    retry = "retry-after: 1\r\n" if status == HTTPStatus.SERVICE_UNAVAILABLE else ""
+    retry = "retry-after: 1\r\n" if status in (HTTPStatus.SERVICE_UNAVAILABLE, 429) else ""
     head = (
         f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
         f"{retry}connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
@@ -74,12 +132,29 @@ def _malformed() -> KvError:
     )
 
 
+def _too_large(what: str) -> KvError:
+    return HeadersTooLarge(f"request head too large: {what}")
+
+
+def _bad_target() -> KvError:
+    return BadRequest(
+        "the request target must be a path (/...) or an http(s) URL without userinfo",
+        hint="Send the request to kvsidecar directly, as to an origin server; the connection was closed.",
+    )
+
+
+def _too_slow() -> KvError:
+    return TooManyBodies("too many request bodies of this credential are arriving slowly")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Limits:
     max_connections: int
     header_timeout_s: float
     body_timeout_s: float
     client_stall_s: float
+    max_slow_bodies: int = 32
+    slow_body_s: float = 1.0
 
     @classmethod
     def of(cls, section: Any) -> Limits:
@@ -89,6 +164,8 @@ class Limits:
             header_timeout_s=section.header_timeout_s,
             body_timeout_s=section.body_timeout_s,
             client_stall_s=section.client_stall_s,
+            max_slow_bodies=section.max_slow_bodies,
+            slow_body_s=section.slow_body_s,
         )
 
 
@@ -99,21 +176,33 @@ class ListenerState:
     name: str
     limits: Limits
     shape: Callable[[KvError], Any] | None = None  # its error bodies (the proxy: OpenAI's), see _canned
+    credential: Credential = _anyone  # whose a request is, from its headers (the slow-body buckets)
     open: dict[LimitedHttpProtocol, None] = field(default_factory=dict)
+    slow: dict[bytes, dict[LimitedHttpProtocol, None]] = field(default_factory=dict)  # by credential
     accepted: int = 0  # connections the listener took in, admitted or not
     evicted: int = 0
     refused: int = 0
     timed_out: int = 0
     stalled: int = 0
     bad_requests: int = 0  # requests the HTTP parser refused
+    too_large: int = 0  # request heads over the limits (431)
+    bad_targets: int = 0  # request targets in a form other than origin- or absolute-form http(s)
+    too_slow: int = 0  # bodies cut for their credential's slow-body cap (or to make room at the cap)
     refused_answer: bytes = field(init=False, repr=False)
     timed_out_answer: bytes = field(init=False, repr=False)
     bad_request_answer: bytes = field(init=False, repr=False)
+    bad_target_answer: bytes = field(init=False, repr=False)
+    too_slow_answer: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.refused_answer = _canned(_refused(), self.shape)
         self.timed_out_answer = _canned(_timed_out(), self.shape)
         self.bad_request_answer = _canned(_malformed(), self.shape)
+        self.bad_target_answer = _canned(_bad_target(), self.shape)
+        self.too_slow_answer = _canned(_too_slow(), self.shape)
+
+    def too_large_answer(self, what: str) -> bytes:
+        return _canned(_too_large(what), self.shape)
 
     def admit(self, conn: LimitedHttpProtocol) -> bool:
         self.accepted += 1
@@ -123,16 +212,46 @@ class ListenerState:
             idle = [c for c in self.open if c.waiting_for_head]
             oldest = next((c for c in idle if c.head_begun), None) or next(iter(idle), None)
             if oldest is None:
-                self.refused += 1
-                return False
-            self.evicted += 1
-            self.drop(oldest)
-            oldest.abort()
+                # Then a body still arriving, of a credential with more of them than max_slow_bodies
+                # (the one with the most): its oldest. Else every connection is busy: refused.
+                uploading = [c for c in self.open if c.body_pending]
+                per: dict[bytes, int] = {}
+                for c in uploading:
+                    per[c.credential] = per.get(c.credential, 0) + 1
+                heaviest = max(per, key=lambda k: per[k], default=None)
+                if heaviest is None or per[heaviest] <= self.limits.max_slow_bodies:
+                    self.refused += 1
+                    return False
+                victim = next(c for c in uploading if c.credential == heaviest)
+                self.drop(victim)
+                victim.cut_slow_body()
+            else:
+                self.evicted += 1
+                self.drop(oldest)
+                oldest.abort()
         self.open[conn] = None
         return True
 
     def drop(self, conn: LimitedHttpProtocol) -> None:
         self.open.pop(conn, None)
+        self.unslow(conn)
+
+    def unslow(self, conn: LimitedHttpProtocol) -> None:
+        bucket = self.slow.get(conn.credential)
+        if bucket is not None:
+            bucket.pop(conn, None)
+            if not bucket:
+                del self.slow[conn.credential]
+
+    def count_slow(self, conn: LimitedHttpProtocol) -> bool:
+        """Count `conn`'s body as slow for its credential; False when the credential is at its cap."""
+        bucket = self.slow.setdefault(conn.credential, {})
+        if conn in bucket:
+            return True
+        if len(bucket) >= self.limits.max_slow_bodies:
+            return False
+        bucket[conn] = None
+        return True
 
 
 class LimitedHttpProtocol(HttpToolsProtocol):
@@ -147,12 +266,25 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._counted = False
         self.head_begun = False  # bytes of the awaited request head have arrived
         self._malformed = False  # the parser refused what followed: 400, then close
+        self._refusal: bytes | None = None  # the answer to a refused head (431, a bad target), else 400
         self._prior: RequestResponseCycle | None = None  # the request before the newest one
+        self._head_bytes = 0  # of the request head being parsed: its target and header lines
+        self._body: RequestResponseCycle | None = None  # the request whose body is still arriving
+        # Requests parsed on this connection and not yet answered, oldest first: the running one and those
+        # pipelined behind it (uvicorn's own connection_lost tells only the newest one the client left).
+        self._unanswered: list[RequestResponseCycle] = []
+        self.credential = b""  # whose that request is (ListenerState.credential)
 
     @property
     def waiting_for_head(self) -> bool:
         """No request in progress: a fresh connection, or a kept-alive one between requests."""
         return self.cycle is None or self.cycle.response_complete
+
+    @property
+    def body_pending(self) -> bool:
+        """A request's body is still arriving, and nothing has answered the request yet."""
+        cycle = self._body
+        return cycle is not None and cycle.more_body and not cycle.response_started
 
     def abort(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -171,6 +303,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        for cycle in self._unanswered:  # a pipelined request behind it must not hide the running one's
+            if not cycle.response_complete:  # client leaving (an acquire waiting for a slot: issue 26 C)
+                cycle.disconnected = True
+                cycle.message_event.set()
+        self._unanswered = []
+        self._body = None
         if self._stall is not None:
             self._stall.cancel()
             self._stall = None
@@ -178,16 +316,76 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     # request -----------------------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._head_bytes = 0
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self._head_bytes += len(url)
+        if len(self.url) > MAX_TARGET:
+            self._refuse_head(self.listener.too_large_answer(f"a request target over {MAX_TARGET} bytes"))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        line = len(name) + 2 + len(value)
+        self._head_bytes += line + 2
+        if len(self.headers) > MAX_HEADERS:
+            self._refuse_head(self.listener.too_large_answer(f"more than {MAX_HEADERS} headers"))
+        if line > MAX_HEADER_LINE:
+            self._refuse_head(self.listener.too_large_answer(f"a header line over {MAX_HEADER_LINE} bytes"))
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._refuse_head(self.listener.too_large_answer(f"a head over {MAX_HEAD_BYTES} bytes"))
+
     def on_headers_complete(self) -> None:
-        self._arm(self.listener.limits.body_timeout_s, self._body_timeout)
+        self._check_target()
         self._prior = self.cycle
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is self._prior:  # not a request the app sees (an upgrade)
+            self._arm(self.listener.limits.body_timeout_s, self._body_timeout)
+            return
+        self._body = cycle
+        self._unanswered = [c for c in self._unanswered if not c.response_complete] + [cycle]
+        self.credential = self.listener.credential(self.headers)
+        limits = self.listener.limits
+        self._arm(min(limits.slow_body_s, limits.body_timeout_s), self._body_slow)
+
+    def _refuse_head(self, answer: bytes) -> NoReturn:
+        """Stop parsing: the parser raises, uvicorn calls `send_400_response`, which sends `answer`."""
+        self._refusal = answer
+        raise _Refused
+
+    def _check_target(self) -> None:
+        """Origin-form, or absolute-form http(s) whose authority then stands for the Host header."""
+        url = self.url
+        if url.startswith(b"/"):
+            return
+        if url[:7].lower() != b"http://" and url[:8].lower() != b"https://":
+            self._refuse_head(self.listener.bad_target_answer)
+        try:
+            parsed = httptools.parse_url(url)
+        except httptools.HttpParserInvalidURLError:
+            self._refuse_head(self.listener.bad_target_answer)
+        if parsed.userinfo or not parsed.host or b"%" in parsed.host:
+            self._refuse_head(self.listener.bad_target_answer)
+        authority = b"[" + parsed.host + b"]" if b":" in parsed.host else parsed.host
+        if parsed.port is not None:
+            authority += b":%d" % parsed.port
+        self.headers[:] = [(k, v) for k, v in self.headers if k != b"host"] + [(b"host", authority)]
 
     def on_message_complete(self) -> None:
         self._disarm()
+        self._body_done()
         super().on_message_complete()
 
+    def _body_done(self) -> None:
+        self._body = None
+        self.listener.unslow(self)
+
     def on_response_complete(self) -> None:
+        if self._body is not None and self._body.response_complete:
+            self._body_done()  # answered: whatever of its body still comes is not waited for by anyone
         super().on_response_complete()  # starts the next queued request, if any
         if self.transport.is_closing() or not self.waiting_for_head:
             return
@@ -213,8 +411,17 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if self._malformed or self.transport.is_closing():
             return
         self._malformed = True
-        self.listener.bad_requests += 1
-        event(log, logging.INFO, "kv.listener.bad_request", listener=self.listener.name)
+        refused = self._refusal
+        if refused is not None:
+            if refused is self.listener.bad_target_answer:
+                self.listener.bad_targets += 1
+                event(log, logging.INFO, "kv.listener.bad_target", listener=self.listener.name)
+            else:
+                self.listener.too_large += 1
+                event(log, logging.INFO, "kv.listener.head_too_large", listener=self.listener.name)
+        else:
+            self.listener.bad_requests += 1
+            event(log, logging.INFO, "kv.listener.bad_request", listener=self.listener.name)
         cycle = self.cycle
         if cycle is None or cycle.response_complete:
             self._answer_malformed()  # no answer in flight
@@ -242,7 +449,27 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def _answer_malformed(self) -> None:
         self._disarm()
-        self.transport.write(self.listener.bad_request_answer)
+        self.transport.write(self._refusal or self.listener.bad_request_answer)
+        self.transport.close()
+
+    def cut_slow_body(self) -> None:
+        """End the request whose body is still arriving: 429 `KV_TOO_MANY_BODIES` (when nothing of an
+        answer has gone out and the send buffer is empty), closed; its app sees the client leave."""
+        cycle = self._body
+        self._disarm()
+        self._body_done()
+        self.listener.too_slow += 1
+        event(log, logging.INFO, "kv.listener.slow_body_refused", listener=self.listener.name)
+        if self.transport.is_closing():
+            return
+        self._stop_reading()
+        if cycle is not None:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        if cycle is None or cycle.response_started or self.transport.get_write_buffer_size() != 0:
+            self.abort()
+            return
+        self.transport.write(self.listener.too_slow_answer)
         self.transport.close()
 
     # answer ------------------------------------------------------------------------------------------
@@ -283,6 +510,20 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if self.head_begun:  # half a request: say why (into an empty buffer, so close() will not wait)
             self.transport.write(self.listener.timed_out_answer)
         self.transport.close()
+
+    def _body_slow(self) -> None:
+        """`slow_body_s` after the head: a body still arriving counts against its credential's cap."""
+        self._deadline = None
+        limits = self.listener.limits
+        rest = max(limits.body_timeout_s - limits.slow_body_s, 0.0)  # of body_timeout_s
+        if not self.body_pending or self.transport.is_closing():
+            if self._body is not None and not self.transport.is_closing():  # answered, body still coming
+                self._arm(rest, self._body_timeout)
+            return
+        if not self.listener.count_slow(self):
+            self.cut_slow_body()
+            return
+        self._arm(rest, self._body_timeout)
 
     def _body_timeout(self) -> None:
         self._deadline = None

@@ -121,6 +121,14 @@ class Metrics:
         self.server_restarts = Counter(
             PREFIX + "server_restart", "llama-server restarts detected", ["server"], registry=r
         )
+        self.carry_over = Counter(
+            PREFIX + "carry_over",
+            "Snapshots saved under another llama.cpp build, by what happened: converted (state format step), "
+            "copied (same format), refused (more than the build differs), different (the new build computes "
+            "other KV), failed",
+            ["server", "result"],
+            registry=r,
+        )
         self.backend_exits = Counter(
             PREFIX + "backend_exits",
             "Local llama-server processes seen gone, by the signal that ended them (unknown: not recorded)",
@@ -172,6 +180,32 @@ class Metrics:
         )
         self.proxy_connect = Counter(
             PREFIX + "proxy_upstream_connect", "Connections the proxy opened to llama-server", registry=r
+        )
+        # issue 28 (docs/CLIENTS.md)
+        self.proxy_session_signal = Counter(
+            PREFIX + "proxy_session_signal",
+            "Proxied requests by what named their session (a fixed signal name; none: auxiliary)",
+            ["signal", "kind"],
+            registry=r,
+        )
+        self.prompt_diverged = Counter(
+            PREFIX + "proxy_prompt_diverged",
+            "Managed turns whose prompt did not extend their session's last one (when: request, before "
+            "the answer, from the messages; reuse, from llama-server's cache_n)",
+            ["signal", "when"],
+            registry=r,
+        )
+        self.shared_prefix_tokens = Counter(
+            PREFIX + "shared_prefix_tokens",
+            "Prompt tokens cold sessions reused from KV another session left in the slot or donated",
+            ["server"],
+            registry=r,
+        )
+        self.prefix_donor = Counter(
+            PREFIX + "prefix_donor",
+            "prefix_from hints of cold starts, by result (restored, resident, none, refused, failed, off)",
+            ["server", "result"],
+            registry=r,
         )
 
     def render(self) -> bytes:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,7 +54,11 @@ from kvsidecar.backend.llama_http import (
     pin,
     read_api_key,
 )
+from kvsidecar.client_content import SIGNAL as CONTENT_SIGNAL
+from kvsidecar.client_content import Normalized, divergence_index, extends, normalize
+from kvsidecar.client_ids import CONFIGURED, SIG_SESSION_HEADER, asgi_headers, recognize
 from kvsidecar.config import Config
+from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.coordinator.state import AcquireResult, Outcome
 from kvsidecar.errors import (
@@ -66,11 +70,20 @@ from kvsidecar.errors import (
     PayloadTooLarge,
     ProxyForbidden,
 )
-from kvsidecar.listener import Limits, ListenerState
-from kvsidecar.proxy_answers import error_answer, kv_headers, openai_error
-from kvsidecar.proxy_forward import Forwarder, Outbound, Release, hop_by_hop, lifespan
-from kvsidecar.router import HOP_HEADER, ClientGone, hop_count, read_body, refuse
-from kvsidecar.store.naming import validate_session_id
+from kvsidecar.listener import Limits, ListenerState, bearer_credential
+from kvsidecar.logs import event
+from kvsidecar.proxy_answers import (
+    PROMPT_DIVERGED,
+    SIGNAL_AUX_DIVERGED,
+    SIGNAL_NONE,
+    error_answer,
+    kv_headers,
+    openai_error,
+)
+from kvsidecar.proxy_conversations import ConversationTable, credential_of
+from kvsidecar.proxy_forward import PEER_HEADER, Forwarder, Outbound, Release, hop_by_hop, lifespan
+from kvsidecar.router import HOP_HEADER, ClientGone, hop_count, read_body, refuse, watch_disconnect
+from kvsidecar.store.naming import short_id, validate_session_id
 from kvsidecar.upstream import Upstream, UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
@@ -78,6 +91,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvsidecar.proxy")
 AUX_PURPOSE = "proxy"
+DIVERGENCES_KEPT = 32  # low-reuse turns status shows (the latest)
 ANY_MODEL = "default"  # the model label of a session when the `model` string is not part of its identity
 
 
@@ -90,6 +104,14 @@ class _Call:
     session: str | None
     data: dict[str, Any] | None  # the body as a JSON object, when it is one (always for PINNED)
     body: bytes
+    # issue 28 (docs/CLIENTS.md): what named the session (a fixed signal name, never client text), the
+    # auxiliary markers, the normalized messages, the credential scope (a digest)
+    signal: str | None = None
+    markers: frozenset[str] = frozenset()
+    norm: Normalized | None = None
+    credential: str = ""
+    new: bool = False  # a session the conversation table has not seen: it may start from a donor's KV
+    diverged: int | None = None  # the message index where it stopped extending its session's last request
 
 
 class _Sent:
@@ -106,6 +128,20 @@ class _Sent:
 
 
 _GONE = object()  # a peer proxy that stopped being live before it answered
+_HOP = HOP_HEADER.lower().encode()
+# On every answer of a proxy to a request forwarded by another host (fleet mode): the answering host's id.
+# The forwarding host passes on only an answer that names the host it sent the request to: one from
+# anything else (a llama-server, another service that a host record named) never reaches the client.
+
+
+def _as_host(send: Send, host_id: str) -> Send:
+    async def marked(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != PEER_HEADER]
+            message = {**message, "headers": [*headers, (PEER_HEADER, host_id.encode())]}
+        await send(message)
+
+    return marked
 
 
 def _no_fleet() -> FleetRouter | None:
@@ -145,10 +181,15 @@ class Proxy:
         self.requests = coordinator.metrics.proxy_request
         self.session_header = self.cfg.session_header.lower().encode()
         self.model_in_identity = self.cfg.identity == "session+model"
-        self.listener = ListenerState("proxy", Limits.of(self.cfg), shape=openai_error)
+        self.listener = ListenerState(
+            "proxy", Limits.of(self.cfg), shape=openai_error, credential=bearer_credential(self.expected)
+        )
         # fleet mode: the router once it runs (set by the daemon), and a forwarder per peer proxy
         self.fleet: Callable[[], FleetRouter | None] = _no_fleet
         self._peers: dict[str, Forwarder] = {}
+        self.conversations = ConversationTable()  # issue 28: digests only, per credential, bounded
+        self.divergences: list[dict[str, Any]] = []  # the latest low-reuse turns, for status (short ids)
+        coordinator.proxy_view = self.view
 
     async def aclose(self) -> None:
         for forwarder in self._peers.values():
@@ -161,6 +202,9 @@ class Proxy:
             return
         if scope["type"] != "http":
             return
+        router = self.fleet()
+        if router is not None and any(k == _HOP for k, _ in scope.get("headers", ())):
+            send = _as_host(send, router.host_id)  # a peer's forward: say which kvsidecar answers it
         sent = _Sent(send)
         try:
             await self._handle(scope, receive, sent)
@@ -210,17 +254,17 @@ class Proxy:
     def _read_call(
         self, scope: Scope, headers: dict[bytes, bytes], path: str, kind: RouteKind, body: bytes
     ) -> _Call:
-        """The session id (header, else body field) and the body of a slot-running request."""
+        """The session id and the body of a slot-running request: the configured header, else the configured
+        body field (both checked strictly: a bad one is a 400), else a client's built-in id
+        (`kvsidecar.client_ids`, in its documented order); the auxiliary markers; the normalized messages."""
         raw = headers.get(self.session_header)
         if raw is not None and sum(k == self.session_header for k, _ in scope["headers"]) > 1:
             raise BadRequest(f"more than one {self.cfg.session_header} header")
         session = raw.decode("latin-1") if raw is not None else None
-        wanted = (
-            kind is RouteKind.PINNED
-            or bool(self.cfg.session_field)
-            or (session is not None and self.model_in_identity)  # the model label comes from it
-        )
-        data = json_object(body) if wanted else None
+        signal = None
+        if session is not None:
+            signal = SIG_SESSION_HEADER if self.session_header == b"x-session-id" else CONFIGURED
+        data = json_object(body)
         if kind is RouteKind.PINNED:
             if data is None:
                 raise BadRequest(f"{path} needs a JSON object body (the proxy pins it to a slot)")
@@ -228,9 +272,54 @@ class Proxy:
         if session is None and self.cfg.session_field and data is not None:
             field = data.get(self.cfg.session_field)
             session = field if isinstance(field, str) and field else None
+            signal = CONFIGURED if session is not None else None
         if session is not None:
             validate_session_id(session)
-        return _Call(path=path, route=kind, session=session, data=data, body=body)
+        rec = recognize(path, asgi_headers(scope["headers"]), data)  # never raises
+        if session is None and rec.session_id is not None:
+            try:
+                validate_session_id(rec.session_id)
+                session, signal = rec.session_id, rec.signal
+            except KvError:  # a client's id we cannot use: as if it sent none
+                pass
+        return _Call(
+            path=path,
+            route=kind,
+            session=session,
+            data=data,
+            body=body,
+            signal=signal,
+            markers=rec.markers,
+            norm=normalize(path, data) if data is not None else None,
+            credential=credential_of(headers),
+        )
+
+    def _resolve(self, call: _Call) -> _Call:
+        """Issue 28: which conversation a request continues, or that it runs beside it (auxiliary)."""
+        if call.markers:  # a title request: never a turn of the conversation, whatever id it carries
+            return replace(call, session=None, signal=min(call.markers))
+        if call.session is None:
+            if not self.cfg.content_identity or call.norm is None:
+                return replace(call, signal=SIGNAL_NONE)
+            sid, continued = self.conversations.identify(call.credential, call.norm)
+            return replace(call, session=sid, signal=CONTENT_SIGNAL, new=not continued)
+        entry = self.conversations.get(call.credential, call.session)
+        if entry is None:
+            return replace(call, new=True)
+        if call.norm is None or extends(call.norm, entry.known) is not None:
+            return call
+        index = divergence_index(call.norm, entry.known)
+        if index is None:
+            return call
+        dropped_tools = entry.tools and not (call.norm.roles and call.norm.roles[0] == "tools")
+        if dropped_tools or 2 * len(call.norm.digests) < len(entry.known.digests):
+            # a side request under the conversation's id (a title, a summary): its KV stays the session's
+            return replace(call, session=None, signal=SIGNAL_AUX_DIVERGED)
+        if index >= len(entry.known.digests) - 1:
+            # its last message changed: grown in place (a prompt that is extended within one message) or
+            # rewritten, digests cannot say which; llama-server's reuse says it after the answer
+            return call
+        return replace(call, diverged=index)
 
     def _model_label(self, call: _Call) -> str:
         """The model part of a session's identity (a label: the runtime's fingerprint guards restores)."""
@@ -254,16 +343,77 @@ class Proxy:
             )
 
     def _kv_headers(self, call: _Call, lease: AcquireResult) -> list[tuple[bytes, bytes]] | None:
+        signal = (b"x-kv-signal", (call.signal or SIGNAL_NONE).encode())
         if call.session is None:
-            return None  # an auxiliary request is no session's: nothing to say about one
+            return [signal]  # an auxiliary request is no session's: nothing else to say about one
         out = kv_headers(lease, restore_enabled=self.coordinator.config.restore.enabled)
+        out.append(signal)
+        if call.diverged is not None:  # its messages stopped extending the session's last request
+            if not any(k == b"x-kv-reason" for k, _ in out):
+                out.append((b"x-kv-reason", PROMPT_DIVERGED.encode()))
+            out.append((b"x-kv-diverged-message", str(call.diverged).encode()))
         router = self.fleet()
         if router is not None:  # fleet mode: which host served it
             out.append((b"x-kv-host", router.host_id.encode()))
         return out
 
+    def _donor(self, call: _Call) -> str | None:
+        """Issue 28: the conversation of the same credential and model whose KV a new session may start
+        from (the most leading messages in common); the coordinator uses it only for a cold start."""
+        if call.session is None or not call.new or call.norm is None:
+            return None
+        if not self.coordinator.config.restore.share_prefix:
+            return None
+        found = self.conversations.donor(
+            call.credential, call.norm, model=self._model_label(call), exclude=call.session
+        )
+        return found[0] if found is not None else None
+
+    def _after_turn(self, call: _Call, lease: AcquireResult, release: Release) -> None:
+        """A successful turn: its request is the conversation's latest now; a turn that reused far fewer
+        tokens than its session's KV held, or whose messages diverged, is recorded (item 5)."""
+        assert call.session is not None
+        if call.norm is not None:
+            self.conversations.record(call.credential, call.session, self._model_label(call), call.norm)
+        prompt_n, cache_n = release.counts
+        held = (release.result or {}).get("held_tokens")
+        low = (
+            isinstance(held, int)
+            and held > 0
+            and prompt_n is not None
+            and cache_n is not None
+            and cache_n < self.coordinator.config.restore.min_reuse_ratio * min(held, prompt_n + cache_n)
+        )
+        if not low and call.diverged is None:
+            return
+        record = {
+            "session": short_id(call.session),
+            "signal": call.signal,
+            "outcome": lease.outcome.value,
+            "reason": PROMPT_DIVERGED,
+            "message_index": call.diverged,
+            "token_offset": cache_n if low else None,  # llama-server reused exactly this common prefix
+            "held_tokens": held,
+            "prompt_tokens": None if prompt_n is None or cache_n is None else prompt_n + cache_n,
+        }
+        self.divergences = [*self.divergences[-(DIVERGENCES_KEPT - 1) :], record]
+        when = "reuse" if low else "request"
+        self.coordinator.metrics.prompt_diverged.labels(call.signal or SIGNAL_NONE, when).inc()
+        event(log, logging.INFO, "kv.proxy.prompt_diverged", when=when, **record)
+
+    def view(self) -> dict[str, Any]:
+        """The proxy's part of status: the conversation table's size and the latest divergences."""
+        return {
+            "content_identity": self.cfg.content_identity,
+            "conversations": len(self.conversations),
+            "divergences": list(self.divergences),
+        }
+
     async def _on_slot(self, scope: Scope, receive: Receive, send: Send, call: _Call) -> None:
         """Acquire (the session, or an auxiliary lease), pin, forward, release."""
+        call = self._resolve(call)  # before the fleet hand-off: fleet routing goes by the session
+        kind = "managed" if call.session is not None else "auxiliary"
+        self.coordinator.metrics.proxy_session_signal.labels(call.signal or SIGNAL_NONE, kind).inc()
         router = self.fleet()
         if router is not None and await self._to_peer(router, scope, receive, send, call):
             return  # fleet mode: another host's proxy served it
@@ -274,6 +424,9 @@ class Proxy:
             extra = self._kv_headers(call, bypass)
             await self._forward(scope, out, receive, send, kind="passthrough", extra=extra)
             return
+        # a client that hangs up while its acquire waits for a slot gets no lease (issue 26 C)
+        caller = Caller()
+        watch = asyncio.ensure_future(watch_disconnect(receive, caller))
         try:
             self._check_unpinned(call)
             lease = await self.coordinator.acquire(
@@ -281,10 +434,16 @@ class Proxy:
                 provider=self.provider,
                 model=self._model_label(call),
                 purpose=None if call.session is not None else AUX_PURPOSE,
+                caller=caller,
+                scope=call.credential,
+                prefix_from=self._donor(call),
             )
         except KvError as exc:
             await self._refuse(exc, scope, receive, send)
             return
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
         extra = self._kv_headers(call, lease)
         if lease.lease_id is None or lease.slot_id is None:  # bypass (disabled, shutting down)
             out = self._outbound(scope, call.path, call.body, authenticated=True, pinned=False)
@@ -303,13 +462,15 @@ class Proxy:
                 out,
                 receive,
                 send,
-                kind="managed" if call.session is not None else "auxiliary",
+                kind=kind,
                 extra=extra,
                 release=release,
                 slot_id=lease.slot_id,
             )
         finally:
             await release(status, timings)  # a no-op when the pump already released at the answer's end
+        if status == "ok" and call.session is not None:
+            self._after_turn(call, lease, release)
 
     async def _to_peer(
         self, router: FleetRouter, scope: Scope, receive: Receive, send: Send, call: _Call
@@ -327,9 +488,7 @@ class Proxy:
         if target is None:
             return False
         host_id, url = target
-        drop = hop_by_hop(scope["headers"]) | {HOP_HEADER.lower().encode()}
-        out_headers = [(k, v) for k, v in scope["headers"] if k not in drop]
-        out_headers.append((HOP_HEADER.lower().encode(), str(hop + 1).encode()))
+        out_headers = self._peer_headers(scope, call, hop)
         path = call.path
         if scope.get("query_string"):
             path += "?" + scope["query_string"].decode("latin-1")
@@ -350,7 +509,9 @@ class Proxy:
             await send(message)
 
         forwarding = asyncio.ensure_future(
-            self._peer(url).forward(scope, out, receive, tracked, no_answer=unreachable)
+            self._peer(url).forward(
+                scope, out, receive, tracked, no_answer=unreachable, peer_host=host_id.encode()
+            )
         )
         result = await self._until_gone(forwarding, router, host_id, started)
         if result is _GONE:  # the peer dropped out of the fleet before answering (stopped, partitioned)
@@ -360,6 +521,19 @@ class Proxy:
             return False
         self.requests.labels("fleet", result or "aborted").inc()
         return True
+
+    def _peer_headers(self, scope: Scope, call: _Call, hop: int) -> list[tuple[bytes, bytes]]:
+        """The client's headers for another host's proxy; a content-derived id is named in the session
+        header, since the peer's conversation table may not know the conversation (issue 28)."""
+        drop = hop_by_hop(scope["headers"]) | {HOP_HEADER.lower().encode()}
+        named = call.signal == CONTENT_SIGNAL and call.session is not None
+        if named:
+            drop.add(self.session_header)
+        out = [(k, v) for k, v in scope["headers"] if k not in drop]
+        out.append((HOP_HEADER.lower().encode(), str(hop + 1).encode()))
+        if named and call.session is not None:
+            out.append((self.session_header, call.session.encode()))
+        return out
 
     @staticmethod
     async def _until_gone(

@@ -23,9 +23,18 @@ from collections.abc import Mapping
 
 from starlette.responses import Response
 
+from kvsidecar import client_content, client_ids
 from kvsidecar.coordinator.core import INVALIDATED
 from kvsidecar.coordinator.state import AcquireResult, Outcome
-from kvsidecar.errors import HTTP_STATUS, KvError, ShuttingDown, SlotBusy, TooManyConnections, http_status
+from kvsidecar.errors import (
+    HTTP_STATUS,
+    KvError,
+    ShuttingDown,
+    SlotBusy,
+    TooManyBodies,
+    TooManyConnections,
+    http_status,
+)
 from kvsidecar.store import fingerprint, manifest, table
 
 # OpenAI's error `type` for each status the proxy answers with (llama-server uses the same words).
@@ -38,6 +47,8 @@ ERROR_TYPES: dict[int, str] = {
     408: "timeout_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "server_error",
     502: "server_error",
     503: "unavailable_error",
@@ -60,7 +71,11 @@ def openai_error(exc: KvError) -> dict[str, dict[str, str | None]]:
 
 def error_answer(exc: KvError, headers: Mapping[str, str] | None = None) -> Response:
     """A whole error answer: status, OpenAI-shaped JSON body, `Retry-After` where waiting helps."""
-    extra = {"retry-after": "1"} if isinstance(exc, SlotBusy | ShuttingDown | TooManyConnections) else {}
+    extra = (
+        {"retry-after": "1"}
+        if isinstance(exc, SlotBusy | ShuttingDown | TooManyConnections | TooManyBodies)
+        else {}
+    )
     body = json.dumps(openai_error(exc), ensure_ascii=False, separators=(",", ":")).encode()
     headers = {**extra, **(headers or {})}
     return Response(body, status_code=http_status(exc), headers=headers, media_type="application/json")
@@ -79,6 +94,8 @@ _WORDS: dict[str, str] = {
 NO_SNAPSHOT = "NO_SNAPSHOT"  # cold, no reason given: nothing saved for this session (yet)
 RESTORE_DISABLED = "RESTORE_DISABLED"  # cold because restore.enabled is false
 OTHER = "OTHER"  # a reason this table does not know (a newer coordinator): never its text
+# issue 28: the turn's messages do not extend its session's last request (X-KV-Diverged-Message: where)
+PROMPT_DIVERGED = "PROMPT_DIVERGED"
 
 # Every token `X-KV-Reason` can carry: the coordinator's words above, the store's and the fingerprint's
 # reason codes (the same codes as the log, the metrics and `kvsidecar show`), and the error codes.
@@ -88,6 +105,7 @@ REASONS: frozenset[str] = frozenset(
         NO_SNAPSHOT,
         RESTORE_DISABLED,
         OTHER,
+        PROMPT_DIVERGED,
         INVALIDATED,
         "FINGERPRINT_CHANGED",
         *fingerprint.REASON_PRIORITY,
@@ -99,6 +117,14 @@ REASONS: frozenset[str] = frozenset(
     }
 )
 WARM = frozenset({Outcome.RESIDENT, Outcome.RESTORED})
+
+# -- X-KV-Signal (issue 28, docs/CLIENTS.md) ---------------------------------------------------------------
+# What named the session of a proxied request: one of these fixed names, never client text.
+SIGNAL_NONE = "none"  # no session: an auxiliary request (no id and no content identity)
+SIGNAL_AUX_DIVERGED = "aux:not-extending"  # under a session's id, but a side request (much shorter, no tools)
+SIGNAL_VALUES: frozenset[str] = frozenset(
+    {*client_ids.SIGNALS, client_content.SIGNAL, *client_ids.MARKERS, SIGNAL_NONE, SIGNAL_AUX_DIVERGED}
+)
 
 
 def reason_token(result: AcquireResult, *, restore_enabled: bool = True) -> str | None:
@@ -125,4 +151,6 @@ def kv_headers(result: AcquireResult, *, restore_enabled: bool = True) -> list[t
         out.append((b"x-kv-restored-tokens", str(result.restored_tokens).encode()))
     if result.restore_ms is not None:
         out.append((b"x-kv-restore-ms", f"{result.restore_ms:.1f}".encode()))
+    if result.shared_tokens is not None:  # a cold start began from another session's snapshot
+        out.append((b"x-kv-shared-tokens", str(result.shared_tokens).encode()))
     return out

@@ -52,6 +52,9 @@ HOP_BY_HOP = (
 )  # what would change llama-server's use of the slot behind the lease's back
 # Never taken from llama-server's answer (see the module docstring).
 ANSWER_DROP = frozenset({b"server", b"date"})
+PEER_HEADER = (
+    b"x-kv-fleet-host"  # a peer proxy's answer names its host (fleet mode): checked, never passed on
+)
 RENEW_EVERY_S = 10.0
 _TAIL_BYTES = 256 * 1024
 
@@ -68,7 +71,7 @@ def hop_by_hop(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
 def answer_headers(headers: list[tuple[bytes, bytes]], *, peer: bool = False) -> list[tuple[bytes, bytes]]:
     """llama-server's answer headers as the client gets them (before the proxy's own X-KV-*). `peer`: the
     answer of another host's kvsidecar proxy (fleet mode), whose X-KV-* headers are the session's."""
-    drop = (hop_by_hop(headers) - {b"content-length"}) | ANSWER_DROP
+    drop = (hop_by_hop(headers) - {b"content-length"}) | ANSWER_DROP | {PEER_HEADER}
     return [(k, v) for k, v in headers if k not in drop and (peer or not k.startswith(b"x-kv-"))]
 
 
@@ -113,6 +116,9 @@ class Release:
 
     def __init__(self, coordinator: Coordinator, lease_id: str) -> None:
         self.coordinator, self.lease_id, self.done = coordinator, lease_id, False
+        self.result: dict[str, Any] | None = None  # the coordinator's answer to the release
+        self.counts: tuple[int | None, int | None] = (None, None)  # the engine's prompt_n, cache_n
+        coordinator.renew(lease_id)  # held here, by this request: active from the start, not a claim
         self.every = min(RENEW_EVERY_S, coordinator.config.api.lease_ttl_s / 3)
         self.timer = asyncio.get_running_loop().call_later(self.every, self._renew)
 
@@ -126,8 +132,9 @@ class Release:
         self.done = True
         self.timer.cancel()
         prompt_n, cache_n = token_counts(timings)
+        self.counts = (prompt_n, cache_n)
         with contextlib.suppress(KvError):
-            await self.coordinator.release(
+            self.result = await self.coordinator.release(
                 self.lease_id,
                 status=status,  # type: ignore[arg-type]
                 prompt_tokens=prompt_n,
@@ -161,11 +168,14 @@ class Forwarder:
         release: Release | None = None,
         slot_id: int | None = None,
         no_answer: Callable[[UpstreamError], bool] | None = None,
+        peer_host: bytes | None = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """Stream one request to llama-server and its answer back. Returns (result, timings), result: ok /
         error (llama-server's answer was an HTTP error, or it failed mid-answer) / unavailable / timeout
         (no answer: the proxy answered with an error) / None (the client left first). `no_answer`: asked
-        when the upstream gave no answer; True means the caller answers the client itself ("unanswered")."""
+        when the upstream gave no answer; True means the caller answers the client itself ("unanswered").
+        `peer_host` (fleet mode, another host's proxy): an answer whose `X-KV-Fleet-Host` does not name that
+        host is not a kvsidecar's answer: never passed on, it counts as no answer at all."""
 
         async def busy() -> bool:
             """Asked after `proxy.upstream_timeout_s` of silence: is llama-server still working on it?"""
@@ -182,6 +192,17 @@ class Forwarder:
                 if no_answer is not None and no_answer(exc):
                     return "unanswered", None
                 return await self._no_answer(exc, scope, receive, send), None
+            if peer_host is not None:
+                said = [v for k, v in response.headers if k.lower() == PEER_HEADER]
+                if said != [peer_host]:
+                    await response.aclose()
+                    event(log, logging.WARNING, "kv.proxy.peer_not_kvsidecar", url=self.upstream.base_url)
+                    forged = UpstreamError(
+                        f"{self.upstream.base_url} did not answer as kvsidecar host {peer_host.decode()}"
+                    )
+                    if no_answer is not None and no_answer(forged):
+                        return "unanswered", None
+                    return await self._no_answer(forged, scope, receive, send), None
             tail = Tail()
             try:
                 await send(

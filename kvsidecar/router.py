@@ -24,6 +24,9 @@ Every request takes the same steps, in this order, whatever the route:
    (`kvsidecar.errors.HTTP_STATUS`); any other exception is logged and answered 500 `KV_INVARIANT`. A
    handler cancelled under it (uvicorn cancels what is still running when its graceful-shutdown timeout
    ends, e.g. an acquire waiting for a slot) is answered 503 `KV_SHUTTING_DOWN`, not a bare 500.
+   A route that waits for a slot (`Route.waits`: acquire, restore) gets a `Call.caller` that is gone
+   once the client disconnects (watched for while the handler runs: uvicorn does not cancel a handler
+   whose client left) or its `X-KV-Deadline-Ms` budget is spent (1-9 digits, else 400 `KV_BAD_REQUEST`).
 
 The OpenAPI document (`kvsidecar.openapi`) is written from the same table and declares exactly these
 answers. There is no `/docs` or `/redoc`: FastAPI's pages load Swagger UI / ReDoc from a CDN, which an
@@ -51,6 +54,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from kvsidecar.coordinator.caller import Caller, deadline_from_budget
 from kvsidecar.errors import (
     BadRequest,
     InvariantViolation,
@@ -119,9 +123,20 @@ def refuse(
     check_host: bool,
     exempt: bool | None = None,
 ) -> KvError | None:
-    """The checks every listener makes before reading a request: loopback Host, bearer token.
+    """The checks every listener makes before reading a request: one of each credential header and at most
+    one Host (a second one is read differently by each parser on the way: never guessed at), loopback Host,
+    bearer token.
 
     `exempt`: the route needs no token (default: the path is our `/healthz`)."""
+    counts: dict[bytes, int] = {}
+    for name, _ in scope.get("headers", ()):
+        if name in _ONCE:
+            counts[name] = counts.get(name, 0) + 1
+    twice = sorted(n.decode() for n, c in counts.items() if c > 1)
+    if twice:
+        return BadRequest(
+            f"more than one {twice[0]} header", hint="Send each of Host, Authorization, X-Api-Key once."
+        )
     if check_host and not _loopback_host(headers.get(b"host", b"").decode("latin-1")):
         return BadRequest("Host header must name a loopback address", hint="DNS rebinding guard")
     if exempt is None:
@@ -145,9 +160,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+_ONCE = frozenset({b"host", b"authorization", b"x-api-key"})
+# host[:port]: a name or IPv4 address, or an [IPv6] address; the port 1-5 digits
+_HOST = re.compile(r"\A(?:\[([0-9A-Fa-f:.]+)\]|([A-Za-z0-9.-]+))(?::([0-9]{1,5}))?\Z")
+
+
 def _loopback_host(host_header: str) -> bool:
-    host = host_header.rsplit(":", 1)[0] if not host_header.endswith("]") else host_header
-    return is_loopback(host.strip("[]").lower())
+    m = _HOST.match(host_header)
+    if m is None or (m.group(3) is not None and not 0 < int(m.group(3)) < 65536):
+        return False
+    if m.group(1) is not None:
+        return ":" in m.group(1) and is_loopback(m.group(1))  # brackets hold an IPv6 address only
+    return is_loopback(m.group(2).lower())
 
 
 def validation_message(errors: Sequence[Any]) -> str:
@@ -175,6 +199,9 @@ class Call:
     query: BaseModel | None = None
     body: BaseModel | None = None
     hop: int = 0  # fleet mode: how many hosts forwarded this call already (X-KV-Fleet-Hop)
+    # Routes that wait for a slot (`Route.waits`): whether the client still waits for the answer (its
+    # connection, its X-KV-Deadline-Ms budget). None on the other routes.
+    caller: Caller | None = None
 
     def body_as(self, model: type[M]) -> M:
         if not isinstance(self.body, model):
@@ -206,10 +233,40 @@ class Route:
     returns: type[BaseModel] | None = None
     media_type: str = "application/json"
     errors: tuple[type[KvError], ...] = ()
+    # The handler may wait (for a slot): it gets a `Call.caller` that is gone once the client disconnects
+    # or its X-KV-Deadline-Ms budget is spent (an acquire then grants nothing; issue 26 C).
+    waits: bool = False
 
 
 _PARAM = re.compile(r"\{(\w+)\}")
 HOP_HEADER = "X-KV-Fleet-Hop"
+# The caller's budget for the call in milliseconds, counted from its receipt (hosts' clocks may differ):
+# 1-9 digits. Fleet hosts send it with every forwarded call; any client may.
+DEADLINE_HEADER = "X-KV-Deadline-Ms"
+
+
+def deadline_budget(headers: Sequence[tuple[bytes, bytes]]) -> float | None:
+    """The X-KV-Deadline-Ms budget in seconds; None without the header. Anything but 1-9 ASCII digits
+    (around them, optional whitespace, RFC 9110 §5.5) is refused (400 KV_BAD_REQUEST), and so is a second
+    X-KV-Deadline-Ms header (which one counts would be a guess): a deadline is not guessed."""
+    name = DEADLINE_HEADER.lower().encode()
+    values = [v for k, v in headers if k == name]
+    if not values:
+        return None
+    if len(values) > 1:
+        raise BadRequest(f"more than one {DEADLINE_HEADER} header")
+    raw = values[0].strip(b" \t")
+    if not (1 <= len(raw) <= 9 and raw.isdigit() and raw.isascii()):
+        raise BadRequest(f"{DEADLINE_HEADER}: must be 1-9 digits (milliseconds)")
+    return int(raw) / 1000.0
+
+
+async def watch_disconnect(receive: Receive, caller: Caller) -> None:
+    """Tell `caller` when the client disconnects (its request body is already read: the next ASGI message
+    is `http.disconnect`). uvicorn does not cancel a handler whose client left; this is how we know."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    caller.leave()
 
 
 def hop_count(headers: dict[bytes, bytes]) -> int:
@@ -323,7 +380,23 @@ class Router:
             body = await read_body(receive, self.max_bytes)
         except ClientGone:
             return  # nobody to answer
-        response = await self._respond(scope, matched, body, hop_count(headers))
+        caller: Caller | None = None
+        watch: asyncio.Task[None] | None = None
+        if isinstance(matched, tuple) and matched[0].waits and body is not None:
+            try:
+                budget = deadline_budget(scope.get("headers", ()))
+            except KvError as exc:
+                await error_response(exc)(scope, receive, send)
+                return
+            now = asyncio.get_running_loop().time()
+            caller = Caller(deadline=None if budget is None else deadline_from_budget(budget, now))
+            watch = asyncio.ensure_future(watch_disconnect(receive, caller))
+        try:
+            response = await self._respond(scope, matched, body, hop_count(headers), caller)
+        finally:
+            if watch is not None:
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
         await response(scope, receive, send)
 
     async def _respond(
@@ -332,6 +405,7 @@ class Router:
         matched: tuple[Route, dict[str, str]] | JSONResponse,
         body: bytes | None,
         hop: int = 0,
+        caller: Caller | None = None,
     ) -> Response:
         if body is None:
             return error_response(PayloadTooLarge(f"request body is over {self.max_bytes} bytes"))
@@ -344,6 +418,7 @@ class Router:
                 query=_query(route.query, scope) if route.query is not None else None,
                 body=_body(route.body, body) if route.body is not None else None,
                 hop=hop,
+                caller=caller,
             )
             result = await route.handler(call)
             return result if isinstance(result, Response) else JsonResponse(result)

@@ -44,6 +44,23 @@ def _their_dir(process: ProcessInfo, path: str) -> str | None:
     return process.root + path if process.root else path
 
 
+def llama_save_dir(process: ProcessInfo | None) -> str | None:
+    """The directory llama-server `process` saves into, as a path this host can resolve the way the
+    server does (its --slot-save-path string, under its root, a relative one from its working directory);
+    None when there is no local process or it has no --slot-save-path. The store checks, before every save
+    and restore, that this still leads to the snapshot directory it holds (`SNAPSHOT_DIR_MOVED`)."""
+    if process is None:
+        return None
+    theirs = process.flags.get("slot_save_path")
+    if not theirs:
+        return None
+    if not os.path.isabs(theirs) and not process.root:
+        cwd = f"/proc/{process.pid}/cwd"  # the server's own working directory, even if renamed since
+        if os.path.isdir(cwd):
+            return os.path.join(cwd, theirs)
+    return _their_dir(process, theirs)
+
+
 def same_directory(a: str, b: str) -> bool:
     try:
         return os.path.samefile(a, b)

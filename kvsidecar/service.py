@@ -33,7 +33,7 @@ from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.coordinator.server import ProcessFinder
 from kvsidecar.errors import ConfigError, ListenInUse
 from kvsidecar.lifecycle import NotifyingServer, ReadyGate, Stopper, SystemdNotifier, stop_signals
-from kvsidecar.listener import Limits, ListenerState, protocol_for
+from kvsidecar.listener import Limits, ListenerState, bearer_credential, protocol_for
 from kvsidecar.logs import event, reconfigure
 from kvsidecar.metrics import Metrics
 from kvsidecar.proxy import Proxy
@@ -102,7 +102,9 @@ class Daemon:
             backends=backends,
             metrics=self.metrics,
             process_finder=process_finder,
-            digests=FileDigestCache(config.state_dir / "file-digests.json"),
+            digests=FileDigestCache(
+                config.state_dir / "file-digests.json", anchor=self.store.layout.anchors["state"]
+            ),
         )
         self.retention = RetentionJob(
             store=self.store,
@@ -409,7 +411,8 @@ def ensure_fd_budget(config: Config) -> int:
 def build_server(config: Config, **daemon_kwargs: Any) -> tuple[NotifyingServer, list[socket.socket], Daemon]:
     daemon = Daemon(config, **daemon_kwargs)
     socks = listen_sockets(config)
-    daemon.listener = ListenerState("api", Limits.of(config.api))
+    expected = f"Bearer {daemon.token}".encode() if daemon.token else None
+    daemon.listener = ListenerState("api", Limits.of(config.api), credential=bearer_credential(expected))
     return _uvicorn(daemon.app(), lifespan="on", listener=daemon.listener), socks, daemon
 
 

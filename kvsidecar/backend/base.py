@@ -23,6 +23,17 @@ class BackendCapabilities:
     # client that cannot see the process can still tell one start from the next. None when not exposed.
     instance_id: str | None = None
     props: dict[str, Any] = field(default_factory=dict)
+    # In sleep mode (llama-server `--sleep-idle-seconds`, /props `is_sleeping`): the model and every slot's
+    # KV are freed, and the next request that needs them loads the model again from its path.
+    sleeping: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstanceState:
+    """What a cheap look at the server says about its instance: the per-start nonce, and sleep mode."""
+
+    nonce: str | None
+    sleeping: bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,11 +97,19 @@ class KvBackend(Protocol):
         """The per-process nonce the server reports now (see BackendCapabilities.instance_id)."""
         ...
 
-    async def prefill(self, slot_id: int, prompt: str) -> int:
+    async def instance_state(self) -> InstanceState:
+        """The nonce and the sleep state now, from a call that does not wake a sleeping server."""
+        ...
+
+    async def wake(self) -> None:
+        """Wake a sleeping server (it loads its model again); returns once it is awake."""
+        ...
+
+    async def prefill(self, slot_id: int, prompt: str | list[int]) -> int:
         """Compute `prompt` into the slot's KV cache without generating; returns the tokens cached."""
         ...
 
-    async def run_prompt(self, slot_id: int, prompt: str, *, n_predict: int = 0) -> PromptResult:
+    async def run_prompt(self, slot_id: int, prompt: str | list[int], *, n_predict: int = 0) -> PromptResult:
         """Run `prompt` on the slot, reusing what its cache holds; how much was computed and reused."""
         ...
 

@@ -22,6 +22,7 @@ from kvsidecar.backend.base import (
     BackendCapabilities,
     BackendSlot,
     EraseResult,
+    InstanceState,
     PromptResult,
     RestoreResult,
     SaveResult,
@@ -98,6 +99,11 @@ class FakeKvBackend:
         # Invariant 8 checker: which operation is running on each slot right now.
         self.busy: dict[int, str] = {}
         self.violations: list[str] = []
+        # Sleep mode: the model and every slot freed; any call that needs them loads the model again
+        # (with `model_on_wake` as the "weights" then, when set: another file renamed over the path).
+        self.sleeping = False
+        self.wakes = 0
+        self.model_on_wake: str | None = None
         self._holds: dict[str, Hold] = {}
 
     # failure injection (spec §77) -------------------------------------------------------------------
@@ -155,6 +161,17 @@ class FakeKvBackend:
         if model_path is not None or kv_salt is not None:
             self.kv_salt = kv_salt if kv_salt is not None else f"{self.model_path}|{self.build_info}"
 
+    def sleep(self, *, model_on_wake: str | None = None) -> None:
+        """Enter sleep mode, like llama-server after `--sleep-idle-seconds` of idleness."""
+        self.sleeping, self.model_on_wake = True, model_on_wake
+        self.slots = [_Slot() for _ in self.slots]
+
+    def _wake_up(self) -> None:
+        if self.sleeping:
+            self.sleeping, self.wakes = False, self.wakes + 1
+            if self.model_on_wake is not None:
+                self.kv_salt = f"{self.model_on_wake}|{self.build_info}"
+
     # the engine ----------------------------------------------------------------------------------------
     def _enter(self, slot_id: int, op: str) -> None:
         if slot_id in self.busy:
@@ -184,9 +201,11 @@ class FakeKvBackend:
         return list(self.slots[slot_id].tokens)
 
     # the interface ------------------------------------------------------------------------------------
-    def _gate(self) -> None:
+    def _gate(self, *, wakes: bool = True) -> None:
         if self.crashed or self.knobs.unavailable:
             raise BackendUnavailable("fake backend is unavailable")
+        if wakes:
+            self._wake_up()
 
     async def _maybe_hang(self) -> None:
         if self.knobs.hang_s is not None:
@@ -199,7 +218,7 @@ class FakeKvBackend:
         return self.slots[slot_id]
 
     async def probe(self) -> BackendCapabilities:
-        self._gate()
+        self._gate(wakes=False)
         await self._maybe_hang()
         return BackendCapabilities(
             kind=self.kind,
@@ -210,6 +229,7 @@ class FakeKvBackend:
             model_path=self.model_path,
             build_info=self.build_info,
             instance_id=self.nonce,
+            sleeping=self.sleeping,
             props={
                 "model_path": self.model_path,
                 "build_info": self.build_info,
@@ -318,17 +338,26 @@ class FakeKvBackend:
         return EraseResult(slot_id=slot_id, tokens=n, measured_ms=0.01)
 
     async def instance_id(self) -> str | None:
-        self._gate()
+        self._gate(wakes=False)
         await self._maybe_hang()
         return self.nonce
 
-    async def prefill(self, slot_id: int, prompt: str) -> int:
+    async def instance_state(self) -> InstanceState:
+        self._gate(wakes=False)
+        await self._maybe_hang()
+        return InstanceState(nonce=self.nonce, sleeping=self.sleeping)
+
+    async def wake(self) -> None:
+        self._gate()
+        await self._maybe_hang()
+
+    async def prefill(self, slot_id: int, prompt: str | list[int]) -> int:
         """The KV of a text under this "model": tokens derived from the text and the model's salt."""
         self._enter(slot_id, "prefill")
         try:
             self._gate()
             self.calls.append(("prefill", slot_id, None))
-            words = prompt.split()
+            words = prompt.split() if isinstance(prompt, str) else [str(t) for t in prompt]
             self._slot(slot_id).tokens = [
                 xxhash.xxh32_intdigest(f"{self.kv_salt}|{i}|{w}".encode()) for i, w in enumerate(words)
             ]
@@ -336,13 +365,14 @@ class FakeKvBackend:
         finally:
             self._leave(slot_id)
 
-    async def run_prompt(self, slot_id: int, prompt: str, *, n_predict: int = 0) -> PromptResult:
+    async def run_prompt(self, slot_id: int, prompt: str | list[int], *, n_predict: int = 0) -> PromptResult:
         """`prompt` on the slot with the engine's prefix reuse (`infer`); nothing is generated."""
         self._gate()
         self._slot(slot_id)
         self.calls.append(("prompt", slot_id, None))
         tokens = [
-            xxhash.xxh32_intdigest(f"{self.kv_salt}|{i}|{w}".encode()) for i, w in enumerate(prompt.split())
+            xxhash.xxh32_intdigest(f"{self.kv_salt}|{i}|{w}".encode())
+            for i, w in enumerate(prompt.split() if isinstance(prompt, str) else map(str, prompt))
         ]
         computed, reused = self.infer(slot_id, tokens)
         return PromptResult(slot_id=slot_id, computed=computed, reused=reused)

@@ -148,7 +148,10 @@ def pin(body: bytes, data: dict[str, Any], slot_id: int, *, cache_prompt: bool =
 
 # -- the engine's numbers in an answer -----------------------------------------------------------------
 def find_timings(text: str) -> dict[str, Any] | None:
-    """llama-server's `timings` object in a whole JSON answer or in the last SSE event that has one."""
+    """llama-server's `timings` object in a whole JSON answer or in the last SSE event that has one; else
+    (answers that carry none: `/v1/messages`, a non-streamed `/v1/responses`) the same counts from their
+    `usage` (issue 28), as `{"prompt_n", "cache_n"}`."""
+    whole: Any = None
     with contextlib.suppress(ValueError):
         whole = json.loads(text)
         if isinstance(whole, dict) and isinstance(whole.get("timings"), dict):
@@ -159,7 +162,39 @@ def find_timings(text: str) -> dict[str, Any] | None:
                 data = json.loads(line.removeprefix("data:").strip())
                 if isinstance(data, dict) and isinstance(data.get("timings"), dict):
                     return dict(data["timings"])
+    if isinstance(whole, dict):
+        return _usage_counts(whole)
+    for line in text.splitlines():  # Anthropic streams: the counts are in the first event, message_start
+        if '"cache_read_input_tokens"' in line or '"input_tokens_details"' in line:
+            with contextlib.suppress(ValueError):
+                found = _usage_counts(json.loads(line.removeprefix("data:").strip()))
+                if found is not None:
+                    return found
     return None
+
+
+def _usage_counts(answer: object) -> dict[str, Any] | None:
+    """llama-server's prompt counts in an answer's `usage` (Anthropic: `input_tokens` computed and
+    `cache_read_input_tokens` reused; Responses: `input_tokens` in all, `input_tokens_details.cached_tokens`
+    reused)."""
+    if not isinstance(answer, dict):
+        return None
+    usage = answer.get("usage")
+    for outer in ("message", "response"):
+        inner = answer.get(outer)
+        if usage is None and isinstance(inner, dict):
+            usage = inner.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    computed, cached = usage.get("input_tokens"), usage.get("cache_read_input_tokens")
+    details = usage.get("input_tokens_details")
+    if cached is None and isinstance(details, dict):
+        cached = details.get("cached_tokens")
+        if type(computed) is int and type(cached) is int:
+            computed -= cached
+    if type(computed) is not int or type(cached) is not int or computed < 0 or cached < 0:
+        return None
+    return {"prompt_n": computed, "cache_n": cached}
 
 
 def token_counts(timings: dict[str, Any] | None) -> tuple[int | None, int | None]:

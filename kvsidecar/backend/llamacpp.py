@@ -9,6 +9,7 @@ Responses are read defensively because their schema moves between llama.cpp buil
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from kvsidecar.backend.base import (
     BackendCapabilities,
     BackendSlot,
     EraseResult,
+    InstanceState,
     PromptResult,
     RestoreResult,
     SaveResult,
@@ -40,6 +42,12 @@ from kvsidecar.errors import (
 # llama-server's per-start media marker: `<__media_` + random characters + `__>`. A marker pinned by the
 # operator (LLAMA_MEDIA_MARKER) or an older build's constant `<__media__>` is not a nonce: refused.
 _NONCE = re.compile(r"^<__media_[A-Za-z0-9_-]{16,}__>$")
+
+
+def _is_sleeping(props: dict[str, Any]) -> bool:
+    """/props `is_sleeping`; absent (a build without sleep mode) is awake, anything but false is asleep:
+    a value that is not a boolean cannot prove a model is loaded."""
+    return "is_sleeping" in props and props["is_sleeping"] is not False
 
 
 def _nonce(value: Any) -> str | None:
@@ -171,15 +179,26 @@ class LlamaCppBackend:
         return response.status_code == 200
 
     async def probe(self) -> BackendCapabilities:
+        """`/props`, which llama-server answers without waking from sleep mode and without resetting its
+        idle timer; `/slots` (which does both) only when `/props` leaves the slots unknown (older builds)."""
         props = await self._request("GET", "/props", what="probe /props")
         props = props if isinstance(props, dict) else {}
-        try:
-            slots = await self.inspect_slots()
-            slots_endpoint = True
-        except BackendUnsupported:
-            slots, slots_endpoint = [], False
+        sleeping = _is_sleeping(props)
         settings = props.get("default_generation_settings")
         n_ctx = _int(settings.get("n_ctx")) if isinstance(settings, dict) else None
+        total = _int(props.get("total_slots"))
+        endpoint = props.get("endpoint_slots")
+        slots: list[BackendSlot] = []
+        if isinstance(endpoint, bool) and total is not None and (n_ctx is not None or sleeping):
+            slots_endpoint = endpoint
+        elif sleeping:
+            slots_endpoint = True  # asking would wake it; a build with sleep mode has the endpoint
+        else:
+            try:
+                slots = await self.inspect_slots()
+                slots_endpoint = True
+            except BackendUnsupported:
+                slots, slots_endpoint = [], False
         model_path = props.get("model_path")
         build_info = props.get("build_info")
         marker = props.get("media_marker")
@@ -187,24 +206,37 @@ class LlamaCppBackend:
             kind=self.kind,
             alive=True,
             slots_endpoint=slots_endpoint,
-            total_slots=_int(props.get("total_slots"), len(slots)) or len(slots),
+            total_slots=total or len(slots),
             n_ctx=n_ctx if n_ctx is not None else (slots[0].n_ctx if slots else None),
             model_path=model_path if isinstance(model_path, str) else None,
             build_info=build_info if isinstance(build_info, str) else None,
             instance_id=_nonce(marker),
             props=props,
+            sleeping=sleeping,
         )
 
     async def instance_id(self) -> str | None:
-        props = await self._request("GET", "/props", what="identity /props")
-        return _nonce(props.get("media_marker")) if isinstance(props, dict) else None
+        return (await self.instance_state()).nonce
 
-    async def prefill(self, slot_id: int, prompt: str) -> int:
+    async def instance_state(self) -> InstanceState:
+        props = await self._request("GET", "/props", what="identity /props")
+        if not isinstance(props, dict):
+            return InstanceState(nonce=None, sleeping=False)
+        sleeping = _is_sleeping(props)
+        return InstanceState(nonce=_nonce(props.get("media_marker")), sleeping=sleeping)
+
+    async def wake(self) -> None:
+        """`GET /slots` waits for llama-server to leave sleep mode (its model loaded again) before it
+        answers, even when the endpoint is disabled; bounded like a persistence call (a model load)."""
+        with contextlib.suppress(BackendUnsupported):
+            await self._request("GET", "/slots", what="wake /slots", timeout=self._persist_timeout)
+
+    async def prefill(self, slot_id: int, prompt: str | list[int]) -> int:
         """One prompt pass on a pinned slot with nothing generated (the runtime canary)."""
         result = await self.run_prompt(slot_id, prompt)
         return result.computed + result.reused
 
-    async def run_prompt(self, slot_id: int, prompt: str, *, n_predict: int = 0) -> PromptResult:
+    async def run_prompt(self, slot_id: int, prompt: str | list[int], *, n_predict: int = 0) -> PromptResult:
         """`/completion` pinned to `slot_id` with prompt caching on, at temperature 0; the engine's own
         counts of prompt tokens computed and reused (`timings.prompt_n`, `timings.cache_n`)."""
         await self._check_slot(slot_id)

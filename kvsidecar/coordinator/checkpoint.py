@@ -25,6 +25,22 @@ needs is unknown, so its worst case is today's behaviour:
   turn since reused all of it: append-only history) and recomputing the tokens since is predicted cheaper
   than writing the whole slot, nothing is saved; the next restore brings the older generation back and
   llama-server recomputes only the difference.
+
+*Protect* (issue 26): a session that keeps its slot (more sessions never want it than there are slots)
+and calls more often than `idle_s` would otherwise never be saved, and a llama-server crash would cost it
+everything since its last save. Its unsaved work is bounded by `checkpoint.max_unsaved_s` (seconds since
+its first unsaved turn) and `checkpoint.max_unsaved_turns` (0 disables either; both 0 turn all of this
+off), with background saves
+(`protect()`), only ever at an idle moment of its server (no slot working, nobody waiting: llama-server's
+save holds its one main loop) and with the session's own slot free:
+- past a bound (trigger `max_unsaved`): at the next idle moment, whatever the cost model predicts (its
+  own next request may then wait for the save, bounded by the save's time);
+- before that (trigger `background`, cost-aware policy): when the save is predicted to end before the
+  session's next request (released + median think time, with a margin of twice the save), and it is
+  worth it: half a bound has passed, or recomputing the tokens it protects would take longer than the
+  save. One attempt per revision; never a save predicted to outlast half an acquire's wait.
+A request for another slot that arrives during such a save cannot interrupt it inside llama-server: its
+first token is late by at most the rest of that save (the prediction keeps those saves to idle gaps).
 """
 
 from __future__ import annotations
@@ -36,6 +52,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvsidecar.config import Config
+from kvsidecar.coordinator.breaker import BreakerState
 from kvsidecar.coordinator.costs import CostModel, median
 from kvsidecar.coordinator.pool import CLEANING, SlotPool, aux_slot_id, owner_slot
 from kvsidecar.coordinator.save import Saver
@@ -56,6 +73,9 @@ _DEMAND_THINKS = 4
 _DEMAND_KEYS_MAX = 4096  # more sessions than this lately: as good as "always a switch coming"
 _AUX_DEMAND_KEY = "\0auxiliary"  # matches no session key
 _CLEANING_WAIT_FACTOR = 1.5  # a new session waits for a slot being cleaned up to 1.5x its predicted save
+PROTECT_FORCED = "max_unsaved"  # triggers (and slot holders) of protect()'s background saves
+PROTECT_PREDICTED = "background"
+_PROTECT_MARGIN = 2.0  # a predicted background save must fit twice in what is left of the think time
 
 
 class CheckpointPolicy:
@@ -85,6 +105,9 @@ class CheckpointPolicy:
         self.monotonic = monotonic
         self.active = False  # timers are armed only between start() and close()
         self._cleaning: set[str] = set()  # keys with a clean ahead started by given_back, not yet done
+        telemetry.watch_unsaved(
+            servers=servers, sessions=lambda: list(sessions.by_key.values()), monotonic=monotonic
+        )
 
     async def evict(
         self,
@@ -172,6 +195,10 @@ class CheckpointPolicy:
     def touched(self, rt: SessionRuntime) -> None:
         """The session ran: push its idle deadline back (a timer only if none is pending), and under the
         cost-aware policy arm its clean-ahead check for when it has been idle as long as a save takes."""
+        now = self.monotonic()
+        if rt.dirty_since is None or rt.dirty_since_rev != rt.saved_revision:  # its first unsaved turn
+            rt.dirty_since, rt.dirty_since_rev = now, rt.saved_revision
+        self._arm_protect(rt, now)
         self._arm_clean_ahead(rt)
         idle_s = self.config.checkpoint.idle_s
         if idle_s is None or not self.active:
@@ -244,11 +271,19 @@ class CheckpointPolicy:
         """A slot was given back and the waiters served: if the server may now take a background save, clean
         the next victim whose clean ahead is due. A check that came while the server was busy (another slot
         working, say) is retried here instead of being lost until the switch pays for it. One at a time: the
-        save's own give-back comes here again for the next one."""
-        if not self._cleaning_on() or srv.waiters:
+        save's own give-back comes here again for the next one. Else, a resident session whose unsaved work
+        is due is saved (`protect`)."""
+        if not self.active or srv.waiters:
             return
+        if not self._clean_next(srv):
+            self.protect(srv)
+
+    def _clean_next(self, srv: ServerRuntime) -> bool:
+        """given_back's clean ahead: True if one was started (then no protect() save starts now)."""
+        if not self._cleaning_on():
+            return False
         if not self.config.checkpoint.clean_ahead_while_busy and self._working(srv):
-            return
+            return False
         now = self.monotonic()
         for slot in self.next_victims(srv):
             rt = self.sessions.get(slot.owner)
@@ -257,7 +292,8 @@ class CheckpointPolicy:
             if rt.key not in self._cleaning and now >= rt.clean_due_at:
                 self._cleaning.add(rt.key)
                 self.spawn(self._clean_ahead_quietly(rt))
-                return
+                return True
+        return False
 
     def _cleaning_on(self) -> bool:
         """Clean ahead is in force: cost-aware policy, saves at switches on (SIGHUP may change either)."""
@@ -368,6 +404,98 @@ class CheckpointPolicy:
             slot.cleaning_until = None
         self.telemetry.clean_ahead(srv.name, rt, "saved" if saved else "superseded")
         return saved
+
+    # protect: bound the unsaved work of sessions that keep their slot (issue 26) ---------------------
+    def _arm_protect(self, rt: SessionRuntime, now: float) -> None:
+        """A timer for when its unsaved age reaches half the time bound, then the bound: an idle moment
+        that comes while nothing is given back (the session thinking, the server idle) is not missed."""
+        bound = self.config.checkpoint.max_unsaved_s
+        if rt.protect_timer is not None or not self.active or not bound or rt.dirty_since is None:
+            return
+        due = [t for t in (rt.dirty_since + bound / 2, rt.dirty_since + bound) if t > now]
+        if not due:
+            return  # past the bound already: the next idle moment (a give-back) saves it
+        key = rt.key
+        rt.protect_timer = asyncio.get_running_loop().call_later(
+            min(due) - now, lambda: self._protect_timer(key)
+        )
+
+    def _protect_timer(self, key: str) -> None:
+        rt = self.sessions.get(key)
+        if rt is None:
+            return
+        rt.protect_timer = None
+        srv = self.servers.get(rt.identity.server)
+        if srv is None or not rt.dirty or not self.active:
+            return
+        if not srv.waiters:
+            self.protect(srv)
+        self._arm_protect(rt, self.monotonic())  # the bound itself, if this was half of it
+
+    def protect_reason(self, srv: ServerRuntime, rt: SessionRuntime, now: float) -> str | None:
+        """Whether a background save of this dirty, idle session is due now, and which (its trigger)."""
+        cp = self.config.checkpoint
+        if not cp.max_unsaved_s and not cp.max_unsaved_turns:
+            return None  # both bounds off: saved only at switches, hints and idle_s (before issue 26)
+        costs = self.costs.server(srv.name)
+        save_s = costs.save_s(rt.context_tokens) if rt.context_tokens else None
+        wait_s = self.acquire_timeout_s if self.acquire_timeout_s is not None else srv.config.slot_wait_s
+        if save_s is not None and save_s > wait_s / 2:
+            return None  # its own request, arriving during the save, must never time out waiting for it
+        age, turns = rt.unsaved_age_s(now), rt.unsaved_turns
+        over_s = bool(cp.max_unsaved_s) and age is not None and age >= cp.max_unsaved_s
+        if over_s or (cp.max_unsaved_turns and turns >= cp.max_unsaved_turns):
+            return PROTECT_FORCED
+        if cp.policy != "cost-aware" or save_s is None or rt.released_at is None:
+            return None
+        think = self._thinkmedian(rt)
+        if think is None or _PROTECT_MARGIN * save_s > rt.released_at + think - now:
+            return None  # its next request is expected before the save would end
+        half = (bool(cp.max_unsaved_s) and age is not None and 2 * age >= cp.max_unsaved_s) or (
+            bool(cp.max_unsaved_turns) and 2 * turns >= cp.max_unsaved_turns
+        )
+        at_risk = rt.unsaved_tokens
+        recompute_s = costs.prefill_s(at_risk) if at_risk else None
+        if half or (recompute_s is not None and recompute_s >= save_s):
+            return PROTECT_PREDICTED
+        return None
+
+    def protect(self, srv: ServerRuntime) -> bool:
+        """At an idle moment of the server (no slot held, nobody waiting), start the background save of the
+        resident session whose unsaved work is due (the oldest first). The slot is taken at once, so the
+        next request of that session waits for the save and every other slot sees a working server (no
+        second background save starts). True if one was started."""
+        if not self.active or srv.waiters or self._working(srv) or not srv.available:
+            return False
+        if srv.fingerprint is None or srv.breaker.state is BreakerState.OPEN:
+            return False
+        now = self.monotonic()
+        due: list[tuple[float, Slot, SessionRuntime, str]] = []
+        for slot in srv.slots.values():
+            rt = self.sessions.get(slot.owner)
+            if rt is None or not rt.dirty or slot.claimed_by is not None:
+                continue
+            if rt.protect_tried == rt.dirty_revision or (rt.pending_commit and not rt.pending_commit.done()):
+                continue  # tried at this revision already (a failure is not retried in a loop), or committing
+            trigger = self.protect_reason(srv, rt, now)
+            if trigger is not None:
+                due.append((rt.unsaved_age_s(now) or 0.0, slot, rt, trigger))
+        if not due:
+            return False
+        _, slot, rt, trigger = max(due, key=lambda d: d[0])
+        if not self.pool.try_take(srv, slot, trigger):
+            return False
+        rt.protect_tried = rt.dirty_revision
+        self.spawn(self._protect_save(srv, slot, rt, trigger))
+        return True
+
+    async def _protect_save(self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, trigger: str) -> None:
+        try:
+            if slot.owner == rt.key:
+                with contextlib.suppress(KvError):  # strict mode raises; a background save has no caller
+                    await self.saver.save(srv, slot, rt, trigger=trigger)
+        finally:
+            self.pool.give_back(srv, slot)
 
     def policy_changed(self) -> None:
         """SIGHUP changed the policy: pending clean-ahead checks belong to the old one."""

@@ -35,6 +35,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from kvsidecar.backend.base import KvBackend
 from kvsidecar.config import Config
 from kvsidecar.coordinator import views
+from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.canary import sweep_canary_files
 from kvsidecar.coordinator.checkpoint import CheckpointPolicy
 from kvsidecar.coordinator.costs import CostModel
@@ -46,10 +47,11 @@ from kvsidecar.coordinator.runtime import RuntimeGuard
 from kvsidecar.coordinator.save import Saver
 from kvsidecar.coordinator.server import ProcessFinder, ServerRuntime, build_servers
 from kvsidecar.coordinator.sessions import SessionEvent, SessionTable, track_context
-from kvsidecar.coordinator.state import AcquireResult, Lease, Outcome, SessionRuntime, Slot
+from kvsidecar.coordinator.state import HOOK_SCOPE, AcquireResult, Lease, Outcome, SessionRuntime, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
-from kvsidecar.errors import KvError, LeaseNotFound, NotFound
+from kvsidecar.errors import KvError, LeaseNotFound, NotFound, SlotBusy
 from kvsidecar.metrics import Metrics
+from kvsidecar.savepath import llama_save_dir
 from kvsidecar.store.atomic import SHARED_TEMP_AGE_S
 from kvsidecar.store.fingerprint import FileDigestCache, ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity, validate_label, validate_session_id
@@ -90,7 +92,7 @@ class Coordinator:
         self.monotonic = monotonic
         self.sessions = SessionTable(store)
         self.pool = SlotPool(is_dirty=self.sessions.is_dirty, monotonic=monotonic)
-        self.leases = LeaseTable(on_expire=self._on_lease_timer)
+        self.leases = LeaseTable(on_expire=self._on_lease_timer, on_claim=self._on_claim_timer)
         self.telemetry.watch(
             servers=self.servers,
             leases=self.leases,
@@ -133,6 +135,7 @@ class Coordinator:
         self.pool.on_given_back = self.checkpoints.given_back
         self.pending_restart: list[str] = []  # restart-only keys a SIGHUP found changed (status shows them)
         self.fleet_view: Callable[[], dict[str, Any]] | None = None  # fleet mode's part of status()
+        self.proxy_view: Callable[[], dict[str, Any]] | None = None  # the proxy's part (issue 28)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
         self._started = False
@@ -153,7 +156,8 @@ class Coordinator:
         self.checkpoints.active = True
         for srv in self.servers.values():
             shared = SHARED_TEMP_AGE_S if self.config.fleet.enabled else 0.0  # another host's may be fresh
-            await asyncio.to_thread(sweep_canary_files, srv.config.snapshot_dir, min_age_s=shared)
+            held = self.store.snapshot_anchor(srv.name) or srv.config.snapshot_dir  # never through its path
+            await asyncio.to_thread(sweep_canary_files, held, min_age_s=shared)
             await self.guard.refresh(srv)
             self.spawn(self._probe_loop(srv))
 
@@ -194,6 +198,8 @@ class Coordinator:
         while True:
             await asyncio.sleep(srv.config.probe_interval_s)
             await self.guard.refresh(srv)
+            # a directory whose path now leads elsewhere is logged (kv.store.dir_moved) even with no traffic
+            self.store.dir_faults({srv.name: llama_save_dir(srv.process)})
             self.forget_idle_sessions()
 
     def forget_idle_sessions(self) -> int:
@@ -232,11 +238,19 @@ class Coordinator:
         model: str,
         purpose: str | None = None,
         seq: int | None = None,
+        caller: Caller | None = None,
+        scope: str = HOOK_SCOPE,
+        prefix_from: str | None = None,
     ) -> AcquireResult:
+        """`caller`: who waits for the answer; once it is gone the wait ends and no lease is granted.
+        `scope`: the caller's credential scope; `prefix_from`: a session of the same provider, model and
+        scope whose newest snapshot a cold start of this one may begin from (issue 28; restore.py)."""
         validate_label("provider", provider)
         validate_label("model", model)
         if session_id is not None:
             validate_session_id(session_id)
+        if prefix_from is not None:
+            validate_session_id(prefix_from)
         srv = self.route(provider)
         if srv is None or not self.config.enabled or self._closing:
             return AcquireResult(
@@ -244,15 +258,27 @@ class Coordinator:
             )
         if session_id is None or purpose is not None:
             # Invariant 7: auxiliary requests never become a session's state.
-            return await self._acquire(srv, None, seq=None)
+            return await self._acquire(srv, None, seq=None, caller=caller, scope=scope)
+        if caller is not None and caller.gone():  # before any claim or wait: nobody reads the answer
+            raise caller.error(srv.name)
         identity = SnapshotIdentity(server=srv.name, provider=provider, model=model, session_id=session_id)
         # fleet: take (or keep) the key before touching it; a stale local copy is dropped first. A host
         # that may not write it still serves the session (a restore is a read); its saves are refused.
         await self.ownership.claim(identity.key)
-        return await self._acquire(srv, identity, seq=seq)
+        donor = None
+        if prefix_from is not None and prefix_from != session_id:
+            donor = SnapshotIdentity(server=srv.name, provider=provider, model=model, session_id=prefix_from)
+        return await self._acquire(srv, identity, seq=seq, caller=caller, scope=scope, donor=donor)
 
     async def _acquire(
-        self, srv: ServerRuntime, identity: SnapshotIdentity | None, *, seq: int | None
+        self,
+        srv: ServerRuntime,
+        identity: SnapshotIdentity | None,
+        *,
+        seq: int | None,
+        caller: Caller | None = None,
+        scope: str = HOOK_SCOPE,
+        donor: SnapshotIdentity | None = None,
     ) -> AcquireResult:
         lease = Lease(
             id=secrets.token_urlsafe(16),
@@ -264,12 +290,19 @@ class Coordinator:
         )
         timeout = self.acquire_timeout_s if self.acquire_timeout_s is not None else srv.config.slot_wait_s
         self.checkpoints.note_request(srv, identity.key if identity else None)
-        slot = await self.pool.take(srv, lease.key, lease, timeout)
+        try:
+            slot = await self.pool.take(srv, lease.key, lease, timeout, caller)
+        except SlotBusy:
+            if caller is not None and caller.gone():
+                self.telemetry.acquire_abandoned(srv.name, None, lease.session_id, caller.why)
+            raise
         try:
             if identity is None:
                 result = await self._prepare_aux(srv, slot)
+                slot.scope = scope
             else:
                 rt = self.sessions.runtime(identity)
+                rt.scope = scope
                 if seq is not None:
                     rt.seq = seq
                 if rt.released_at is not None:  # think time: from its last release to this acquire
@@ -279,7 +312,12 @@ class Coordinator:
                     self.telemetry.think(srv.name, think_s)
                     rt.released_at = None
                 with self.sessions.busy_with(rt.key):
-                    result = await self._prepare(srv, slot, rt)
+                    result = await self._prepare(srv, slot, rt, donor)
+            if caller is not None and caller.gone():
+                # the caller left while its slot was prepared: the restore ran to its end (the slot holds
+                # what its records say), but no lease is granted; the slot goes to the next waiter now
+                self.telemetry.acquire_abandoned(srv.name, slot.id, lease.session_id, caller.why)
+                raise caller.error(srv.name)
         except BaseException:
             self.pool.give_back(srv, slot)
             raise
@@ -292,7 +330,9 @@ class Coordinator:
             srv.config.base_url,
             slot.id,
         )
-        self.leases.add(lease, self.config.api.lease_ttl_s)
+        # a lease nobody uses (no model call on its slot, no renewal) ends after the short claim TTL
+        self.leases.add(lease, self.config.api.lease_ttl_s, claim_s=self.config.api.lease_claim_ttl_s)
+        lease.tokens_at_grant = slot.tokens if result.outcome is not Outcome.RESIDENT else None
         self.telemetry.acquired(srv.name, slot.id, result.outcome, lease.session_id)
         if result.evicted is not None:
             # the slot changed hands: a request of the evicted session that waited for it as its own now
@@ -311,7 +351,9 @@ class Coordinator:
         slot.owner, slot.holds_aux = None, True
         return result
 
-    async def _prepare(self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime) -> AcquireResult:
+    async def _prepare(
+        self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, donor: SnapshotIdentity | None = None
+    ) -> AcquireResult:
         # Invariant 6: a resident session costs no disk I/O and no management call. A local server's
         # process is checked (a /proc read, no HTTP): after a restart the slot is empty, not resident.
         if slot.owner == rt.key and srv.process is not None and not srv.process_check(srv.process):
@@ -326,10 +368,12 @@ class Coordinator:
             )
         self.telemetry.switch(srv.name, slot.id, rt, result.evicted)
         await Saver.wait_commit(rt)  # its own last save may still be committing (evicted just before)
-        await self.restorer.load(srv, slot, rt, result)
+        await self.restorer.load(
+            srv, slot, rt, result, donor=donor, held_by=evicted.key if evicted is not None else None
+        )
         if evicted is not None:  # the evicted session's commit ran while this one restored
             await Saver.wait_commit(evicted)
-        slot.owner, slot.holds_aux = rt.key, False
+        slot.owner, slot.holds_aux, slot.scope = rt.key, False, rt.scope
         self.telemetry.loaded(srv.name, slot.id, rt, result)
         return result
 
@@ -357,13 +401,22 @@ class Coordinator:
             rt.dirty_revision += 1
             self.sessions.apply(rt, SessionEvent.RAN)
             out.update(dirty=True, revision=rt.dirty_revision)
+            if lease.outcome in (Outcome.COLD, Outcome.COLD_FALLBACK) and cached_tokens:
+                # a cold start's reuse came from KV another session left (or donated): issue 28
+                out["shared_tokens"] = cached_tokens
+                self.telemetry.shared_prefix(srv.name, cached_tokens)
+            elif rt.context_tokens is not None:
+                out["held_tokens"] = rt.context_tokens  # what its slot held: the proxy explains low reuse
             track_context(rt, prompt_tokens, cached_tokens)
+            slot.foreign_kv = False  # the engine replaced what it did not reuse: the slot is rt's now
             if rt.verify_tokens is not None:
                 out["restore_verification"] = self.restorer.verify_reuse(
                     srv, rt, prompt_tokens, cached_tokens
                 )
             rt.released_at = self.monotonic()
             self.checkpoints.touched(rt)
+        elif slot is not None and slot.foreign_kv and rt is not None and slot.owner == rt.key:
+            slot.owner = None  # no turn of rt ran on the KV its cold start kept: not rt's to come back to
         if slot is not None:
             self.pool.give_back(srv, slot)
         return out
@@ -374,6 +427,47 @@ class Coordinator:
 
     def _on_lease_timer(self, lease_id: str) -> None:
         self.spawn(self._expire(lease_id))
+
+    def _on_claim_timer(self, lease_id: str) -> None:
+        self.spawn(self._check_claim(lease_id))
+
+    async def _check_claim(self, lease_id: str) -> None:
+        """A claimed lease's claim TTL ran out (issue 26 C): is anyone using it? Yes when the engine is
+        working on its slot, or the slot's tokens moved since the grant (a model call ran): then it keeps its
+        full TTL. No: nobody holds it (its caller left as it was granted, its answer never arrived): it ends
+        now, as aborted. The engine cannot say: asked again later, within the full TTL."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.active:
+            return
+        srv = self.servers[lease.server]
+        api = self.config.api
+        in_use: bool | None = None
+        found = []
+        if srv.sleeping:  # sleep mode: no call runs on it (a call wakes it), and /slots would wake it
+            in_use = False
+        else:
+            try:
+                async with asyncio.timeout(max(1.0, min(10.0, api.lease_claim_ttl_s))):
+                    found = [s for s in await srv.backend.inspect_slots() if s.id == lease.slot_id]
+            except (KvError, TimeoutError):
+                found = []
+        if found:
+            seen = found[0]
+            moved = lease.tokens_at_grant is not None and seen.n_tokens not in (None, lease.tokens_at_grant)
+            in_use = seen.is_processing or moved
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.active:  # released or renewed meanwhile
+            return
+        if in_use:
+            self.leases.activate(lease_id, api.lease_ttl_s)
+            return
+        left = lease.granted_at + api.lease_ttl_s - asyncio.get_running_loop().time()
+        if in_use is None and left > 0:
+            self.leases.recheck(lease_id, min(api.lease_claim_ttl_s, left))
+            return
+        self.telemetry.lease_expired(lease, unclaimed=in_use is False)
+        with contextlib.suppress(LeaseNotFound):
+            await self.release(lease_id, status="aborted")
 
     async def _expire(self, lease_id: str) -> None:
         lease = self.leases.get(lease_id)
@@ -451,6 +545,7 @@ class Coordinator:
         owner is checkpointed first and the next session request restores as usual."""
         result = await self._acquire(self.servers[server], None, seq=None)
         assert result.lease_id is not None and result.slot_id is not None
+        self.renew(result.lease_id)  # held here, by this call: active, not a claim
         try:
             return await fn(result.slot_id)
         finally:
@@ -484,7 +579,7 @@ class Coordinator:
 
     # views -------------------------------------------------------------------------------------------
     def session_views(self, session_id: str | None = None) -> list[dict[str, Any]]:
-        return views.session_views(self.sessions, self.store, self.servers, session_id)
+        return views.session_views(self.sessions, self.store, self.servers, session_id, now=self.monotonic())
 
     def status(self) -> dict[str, Any]:
         out = views.status(
@@ -496,7 +591,10 @@ class Coordinator:
             stats=self.telemetry.stats(),
             costs=self.costs.view(),
             pending_restart=self.pending_restart,
+            now=self.monotonic(),
         )
         if self.fleet_view is not None:
             out["fleet"] = self.fleet_view()
+        if self.proxy_view is not None:
+            out["proxy"] = self.proxy_view()
         return out

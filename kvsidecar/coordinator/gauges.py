@@ -16,8 +16,9 @@ from prometheus_client.registry import Collector
 from kvsidecar.coordinator.breaker import BreakerState
 from kvsidecar.coordinator.costs import CostModel
 from kvsidecar.coordinator.server import ServerRuntime
-from kvsidecar.coordinator.state import Lease
+from kvsidecar.coordinator.state import Lease, SessionRuntime
 from kvsidecar.metrics import PREFIX
+from kvsidecar.savepath import llama_save_dir
 from kvsidecar.store.snapshots import SnapshotStore
 
 # The cost model's figures (CostModel.view()) and the gauge each one is published as.
@@ -53,6 +54,49 @@ class CostCollector(Collector):
                 if value is not None and figure in families:
                     families[figure].add_metric([server], value)
         yield from families.values()
+
+
+class UnsavedCollector(Collector):
+    """`kvsidecar_unsaved_*{server}` (issue 26): what a llama-server crash would cost the sessions resident
+    now, across sessions (no session id as a label): how many have unsaved turns, the oldest unsaved age,
+    the most unsaved tokens of one session and their sum. Every configured server has a sample (0)."""
+
+    def __init__(
+        self,
+        *,
+        servers: Iterable[str],
+        sessions: Callable[[], Iterable[SessionRuntime]],
+        monotonic: Callable[[], float],
+    ) -> None:
+        self.servers = list(servers)
+        self.sessions = sessions
+        self.monotonic = monotonic
+
+    def collect(self) -> Iterator[Metric]:
+        def family(name: str, help_: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(PREFIX + name, help_, labels=["server"])
+
+        count = family("unsaved_sessions", "Resident sessions with turns no saved generation holds")
+        age = family(
+            "unsaved_max_age_seconds", "The oldest unsaved work: seconds since a session's first unsaved turn"
+        )
+        most = family("unsaved_max_tokens", "The most tokens a crash would cost one session now")
+        total = family("unsaved_tokens", "Tokens a crash would cost all resident sessions now")
+        now = self.monotonic()
+        rows: dict[str, list[float]] = {name: [0, 0.0, 0, 0] for name in self.servers}
+        for rt in self.sessions():
+            if not rt.dirty:
+                continue
+            row = rows.setdefault(rt.identity.server, [0, 0.0, 0, 0])
+            tokens = rt.unsaved_tokens or 0
+            row[0] += 1
+            row[1] = max(row[1], rt.unsaved_age_s(now) or 0.0)
+            row[2] = max(row[2], tokens)
+            row[3] += tokens
+        for server in sorted(rows):
+            for fam, v in zip((count, age, most, total), rows[server], strict=True):
+                fam.add_metric([server], v)
+        return iter((count, age, most, total))
 
 
 class StateCollector(Collector):
@@ -93,8 +137,16 @@ class StateCollector(Collector):
         waiting = GaugeMetricFamily(
             PREFIX + "acquires_waiting", "Acquires queued for a slot of the server", labels=["server"]
         )
+        moved = GaugeMetricFamily(
+            PREFIX + "snapshot_dir_moved",
+            "1 while the server's snapshot_dir (or llama-server's --slot-save-path) no longer leads to the "
+            "directory kvsidecar opened at start (SNAPSHOT_DIR_MOVED: nothing saved or restored), else 0",
+            labels=["server"],
+        )
         per_server = Counter(lease.server for lease in self.leases)
         for name, srv in self.servers.items():
+            fault = self.store.snapshot_dir_fault(name, llama_save_dir(srv.process))
+            moved.add_metric([name], 0.0 if fault is None else 1.0)
             up.add_metric([name], 1.0 if srv.available else 0.0)
             if srv.caps is not None:
                 build = (srv.caps.build_info or "unknown")[:_BUILD_LABEL_MAX]
@@ -104,7 +156,7 @@ class StateCollector(Collector):
                 breaker.add_metric([name, state.value], 1.0 if state is current else 0.0)
             leases.add_metric([name], per_server.get(name, 0))
             waiting.add_metric([name], sum(1 for _, _, fut in srv.waiters if not fut.done()))
-        return iter((up, info, breaker, leases, waiting))
+        return iter((up, info, breaker, leases, waiting, moved))
 
     def _snapshots(self) -> Iterator[Metric]:
         count = GaugeMetricFamily(

@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 from kvsidecar.config import Mode
+from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.state import Lease, Slot
 from kvsidecar.errors import ShuttingDown, SlotBusy
@@ -32,17 +34,39 @@ class SlotPool:
         # Told after every give-back, once waiters have been served (the checkpoint policy's idle check).
         self.on_given_back: Callable[[ServerRuntime], None] | None = None
 
-    async def take(self, srv: ServerRuntime, key: str | None, holder: Lease | str, timeout_s: float) -> Slot:
-        """Wait in the server's queue for a slot and hold it (KV_SLOT_BUSY past `timeout_s`)."""
+    async def take(
+        self,
+        srv: ServerRuntime,
+        key: str | None,
+        holder: Lease | str,
+        timeout_s: float,
+        caller: Caller | None = None,
+    ) -> Slot:
+        """Wait in the server's queue for a slot and hold it (KV_SLOT_BUSY past `timeout_s`). With a
+        `caller`, the wait also ends as soon as the caller is gone (KV_SLOT_BUSY; a slot handed over at
+        that moment is given back to the next waiter)."""
         if self.closing:
             raise ShuttingDown("kvsidecar is shutting down")
+        if caller is not None and caller.gone():
+            raise caller.error(srv.name)
         waiter: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
         entry = (key, holder, waiter)
         srv.waiters.append(entry)
         self.dispatch(srv)
         try:
             async with asyncio.timeout(timeout_s):
-                return await asyncio.shield(waiter)
+                if caller is None:
+                    return await asyncio.shield(waiter)
+                if not waiter.done():  # handed over at once: no wait (and no yield to the loop)
+                    gone = asyncio.ensure_future(caller.wait())
+                    either: set[asyncio.Future[Any]] = {waiter, gone}
+                    try:
+                        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        gone.cancel()
+                if caller.gone():  # also when the slot came in the same instant: nobody would hold it
+                    raise caller.error(srv.name)
+                return waiter.result()
         except BaseException as exc:
             with contextlib.suppress(ValueError):
                 srv.waiters.remove(entry)

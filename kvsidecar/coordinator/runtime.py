@@ -24,6 +24,7 @@ from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
 from kvsidecar.coordinator.state import Slot
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import BackendError, BackendUnavailable, KvError, OperationTimeout
+from kvsidecar.savepath import llama_save_dir
 
 T = TypeVar("T")
 MARGIN_S = 5.0
@@ -47,11 +48,13 @@ class RuntimeGuard:
         """Re-probe (and, when needed, re-fingerprint) a server; one refresh per server at a time, so an
         acquire that needs a fingerprint waits for the one being built (a whole-file model hash).
 
-        `slot`: a slot the caller holds and whose content is forfeit, on which the canary may run.
+        `slot`: a slot the caller holds and whose content is forfeit, on which the canary may run. A
+        caller with a slot needs the server now: one in sleep mode is woken and fingerprinted after its
+        model is loaded again; the probe loop (no slot) never wakes it (issue 26 A).
         """
         async with srv.refresh_lock:
             before = srv.process
-            result = await srv.refresh(force=force)
+            result = await srv.refresh(force=force, wake=slot is not None)
             self.exits.note(srv, before)
             if result.restarted:
                 self.forget_residency(srv, result.reason or "restart")
@@ -109,7 +112,9 @@ class RuntimeGuard:
             self.disown(ref)
         epoch = srv.epoch
         try:
-            digest = await self.persist(srv, measure_canary(srv.backend, ref.id, srv.config.snapshot_dir))
+            held = self.sessions.store.snapshot_anchor(srv.name) or srv.config.snapshot_dir
+            canary = measure_canary(srv.backend, ref.id, held, llama_save_dir(srv.process))
+            digest = await self.persist(srv, canary)
             if srv.epoch == epoch and await srv.same_instance() is not False:
                 srv.set_canary(digest)
                 self.telemetry.canary(srv.name, digest)

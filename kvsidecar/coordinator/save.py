@@ -30,6 +30,7 @@ from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
 from kvsidecar.coordinator.state import SessionRuntime, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import Fenced, KvError, SaveFailed
+from kvsidecar.savepath import llama_save_dir
 from kvsidecar.store.fingerprint import RuntimeFingerprint
 from kvsidecar.store.snapshots import SavePlan, SnapshotStore
 
@@ -153,7 +154,13 @@ class Saver:
             if plan.retired is not None:  # its blocks are freed while the server writes (the commit or
                 # abort deletes it too, if this has not yet: never on the path, never left behind)
                 asyncio.get_running_loop().run_in_executor(None, self.store.drop_retired, plan)
+            # llama-server writes <its --slot-save-path>/<name> by path: right before, that path (and the
+            # configured one) must still lead to the directory the store holds, the name hold nothing
+            # planted; right after, the same (else the server may have written elsewhere: not trusted).
+            theirs = llama_save_dir(srv.process)
+            self.store.check_save_target(plan, theirs)
             saved = await self.guard.persist(srv, srv.backend.save_slot(slot.id, plan.filename))
+            self.store.check_snapshot_dir(srv.name, theirs)
             if saved.tokens <= 0:
                 raise SaveFailed("llama-server saved an empty slot (it lost the session's KV); not recorded")
             # The closing bracket: a file written by another instance is not this session's KV.

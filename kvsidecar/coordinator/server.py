@@ -9,6 +9,15 @@ A fingerprint is bound to the server instance it was built for (`instance`: the 
 create time, and the nonce llama-server makes at each start). `same_instance()` re-checks that binding
 cheaply; the coordinator brackets every restore and every save commit with it, so a restart between two
 probes can never lend one runtime's fingerprint to another runtime's KV.
+
+A model loaded again inside the same process is a new runtime too (issue 26 A): llama-server's sleep mode
+frees the model and every slot, and on wake reads whatever file is at the model's path then. The probe
+reads only `/props` (which neither wakes a sleeping server nor resets its idle timer) and sees
+`is_sleeping`; a sleep seen, a wake seen, or a change in the files the process maps as its model (device,
+inode, address ranges: `model_mappings`) forgets every slot's residency and rebuilds the fingerprint, and
+`same_instance()` checks both, so a reload between two probes voids the restore it brackets. While the
+server sleeps there is no fingerprint: an acquire wakes it first (`refresh(wake=True)`), then fingerprints
+what it loaded.
 """
 
 from __future__ import annotations
@@ -31,7 +40,15 @@ from kvsidecar.coordinator.breaker import CircuitBreaker
 from kvsidecar.coordinator.state import Slot
 from kvsidecar.errors import KvError
 from kvsidecar.logs import event
-from kvsidecar.store.fingerprint import FileDigestCache, ProcessInfo, RuntimeFingerprint, build_fingerprint
+from kvsidecar.store.fingerprint import (
+    FileDigestCache,
+    ModelProof,
+    ProcessInfo,
+    RuntimeFingerprint,
+    build_fingerprint,
+    model_proof,
+)
+from kvsidecar.store.llama_process import load_identity, model_mappings
 
 log = logging.getLogger("kvsidecar.server")
 
@@ -56,6 +73,7 @@ class ServerRuntime:
         process_finder: ProcessFinder | None,
         digests: FileDigestCache | None,
         process_check: Callable[[ProcessInfo], bool] | None = None,
+        mappings: Callable[[int], Any] | None = None,
     ) -> None:
         self.name = name
         self.config = config
@@ -64,6 +82,7 @@ class ServerRuntime:
         self.process_finder = process_finder
         self._watch: _ProcessWatch | None = None
         self.process_check = process_check or self._process_alive
+        self.mappings = mappings or model_mappings  # pid -> the files it maps as its model now
         self.digests = digests
         self.caps: BackendCapabilities | None = None
         # The complete fingerprint (None until every part, the KV canary included, is known).
@@ -106,18 +125,35 @@ class ServerRuntime:
         return min(self.slots)
 
     @property
-    def needs_canary(self) -> bool:
-        return self.config.runtime_canary and self.available and self.canary is None
+    def model_proof(self) -> ModelProof | None:
+        """Why the loaded model cannot be proven across a restart of llama-server (status says it)."""
+        return None if self.caps is None else model_proof(self.caps, self.process)
 
-    async def refresh(self, *, force: bool = False) -> RefreshResult:
+    @property
+    def sleeping(self) -> bool:
+        return self.caps is not None and self.caps.sleeping
+
+    @property
+    def needs_canary(self) -> bool:
+        return self.config.runtime_canary and self.available and self.canary is None and not self.sleeping
+
+    async def refresh(self, *, force: bool = False, wake: bool = False) -> RefreshResult:
         """Probe the server; say whether it is up and whether it restarted since the last look.
 
         `force` rebuilds the fingerprint (and asks for a new canary) even when nothing looks changed:
         the caller could not prove the server is the instance the fingerprint was made for.
+        `wake`: a server in sleep mode is woken (the caller needs it now) and fingerprinted after; without
+        it a sleeping server is left asleep, and has no fingerprint.
         """
         was_available, old_process, old_caps = self.available, self.process, self.caps
         try:
             caps = await self.backend.probe()
+            if caps.sleeping and wake:
+                # the sleep is seen here (the restart reason below compares with the last probe)
+                self.caps = caps
+                old_caps = caps
+                await self.backend.wake()
+                caps = await self.backend.probe()
         except KvError as exc:
             self.available = False
             self.last_error = exc.message
@@ -134,7 +170,9 @@ class ServerRuntime:
                 self._watch.close()
             self._watch = _ProcessWatch(process)
         rebuild = force or restarted or self._base is None or (process is not None and old_process is None)
-        if rebuild:
+        if caps.sleeping:  # no model loaded: the next one is read from the path at wake, unknown now
+            self._base, self.canary, self.fingerprint = None, None, None
+        elif rebuild:
             self._base = await asyncio.to_thread(
                 build_fingerprint,
                 caps=caps,
@@ -208,21 +246,26 @@ class ServerRuntime:
         nonce from /props). False: it is not, or the check failed. None: nothing can tell instances
         apart (a remote server that exposes no nonce); the caller decides how to fail closed.
         """
-        if self.caps is None or not self.available:
+        if self.caps is None or not self.available or self.caps.sleeping:
             return False
         proven = False
         if self.process is not None:
             if not self.process_check(self.process):
                 return False
+            if self.process.mapped_models is not None:
+                # the model mapped anew (a wake from sleep mode) is a new runtime, even in this process
+                now = await asyncio.to_thread(self.mappings, self.process.pid)
+                if load_identity(now) != self.process.load_identity:
+                    return False
             proven = True
-        if self.caps.instance_id is not None:
+        if self.caps.instance_id is not None or "is_sleeping" in self.caps.props:
             try:
-                nonce = await self.backend.instance_id()
+                state = await self.backend.instance_state()
             except KvError:
                 return False
-            if nonce != self.caps.instance_id:
+            if state.sleeping or state.nonce != self.caps.instance_id:
                 return False
-            proven = True
+            proven = proven or state.nonce is not None
         return True if proven else None
 
 
@@ -277,6 +320,17 @@ def _restart_reason(
         if old_process.identity != process.identity:
             return True, "process changed"
         same_evidence = True
+    if caps.sleeping and not old_caps.sleeping:
+        return True, "entered sleep mode"  # the model and every slot's KV are freed
+    if old_caps.sleeping and not caps.sleeping:
+        return True, "woke from sleep mode"  # the model was loaded again from its path
+    if (
+        old_process is not None
+        and process is not None
+        and old_process.mapped_models is not None
+        and old_process.load_identity != process.load_identity
+    ):
+        return True, "model mapped again"
     if old_caps.instance_id is not None or caps.instance_id is not None:
         if old_caps.instance_id != caps.instance_id:
             return True, "instance nonce changed"

@@ -16,6 +16,8 @@ from typing import Any
 
 from kvsidecar.store.naming import SnapshotIdentity
 
+HOOK_SCOPE = "hook"  # the credential scope of hook API acquires (the operator's token); the proxy's: digests
+
 
 class SessionState(StrEnum):
     NONE = "none"  # no known snapshot, never seen running
@@ -66,10 +68,41 @@ class SessionRuntime:
     # The commit (checksum + manifest) of a switch's save, still running while the slot's next session
     # restores (save.py `overlap`): the session's own next acquire waits for it.
     pending_commit: asyncio.Task[bool] | None = None
+    # Unsaved work (issue 26, checkpoint.py `protect`): when (monotonic) its first turn past the saved
+    # revision `dirty_since_rev` ran; a save moves saved_revision, so a stale mark is recognised.
+    dirty_since: float | None = None
+    dirty_since_rev: int = 0
+    protect_timer: asyncio.TimerHandle | None = None  # when its unsaved age reaches half or all of the bound
+    protect_tried: int = 0  # the revision a background save last tried (one attempt per revision)
+    # Issue 28: the credential scope its requests came in (the proxy's digest of the client's key; `hook`
+    # for the hook API; None: not seen since the daemon started): another session's KV is shared with it
+    # only within one scope (restore.py).
+    scope: str | None = None
 
     @property
     def key(self) -> str:
         return self.identity.key
+
+    @property
+    def unsaved_turns(self) -> int:
+        return max(0, self.dirty_revision - self.saved_revision)
+
+    def unsaved_age_s(self, now: float) -> float | None:
+        """Seconds since its first turn that no saved generation holds; None when it is clean."""
+        if not self.dirty or self.dirty_since is None or self.dirty_since_rev != self.saved_revision:
+            return None
+        return max(0.0, now - self.dirty_since)
+
+    @property
+    def unsaved_tokens(self) -> int | None:
+        """Tokens of the slot a crash would cost: those past the saved generation its content extends (all
+        of them when it extends none). 0 when clean; None when the slot's size is unknown."""
+        if not self.dirty:
+            return 0
+        if self.context_tokens is None:
+            return None
+        base = self.base_tokens if self.append_only and self.base_tokens is not None else 0
+        return max(0, self.context_tokens - base)
 
     def cancel_clean_ahead(self) -> None:
         if self.clean_timer is not None:
@@ -79,6 +112,9 @@ class SessionRuntime:
     def cancel_timers(self) -> None:
         """Its idle and clean-ahead timers: the session is dropped, or the coordinator closes."""
         self.cancel_clean_ahead()
+        if self.protect_timer is not None:
+            self.protect_timer.cancel()
+            self.protect_timer = None
         if self.idle_timer is not None:
             self.idle_timer.cancel()
             self.idle_timer = None
@@ -97,6 +133,11 @@ class Lease:
     session_id: str | None
     outcome: Outcome
     expiry: asyncio.TimerHandle | None = None
+    # Issue 26 C: a lease is "claimed" (granted, not yet seen in use) until a renewal or the engine working
+    # on its slot proves someone holds it; a claimed lease ends at its claim TTL (leases.py).
+    active: bool = False
+    granted_at: float = 0.0  # loop time of the grant
+    tokens_at_grant: int | None = None  # the slot's tokens as the grant left them (None: not known)
 
 
 @dataclass(kw_only=True)
@@ -116,6 +157,13 @@ class Slot:
     # While it is saved ahead of its switch: until when (monotonic) a new session waits for it rather than
     # evict another dirty slot (past that, the save overran its prediction and nobody waits any longer).
     cleaning_until: float | None = None
+    # Issue 28: the credential scope of whoever last ran on it (None: unknown, e.g. what the slot held before
+    # the daemon started); a cold start keeps the slot's KV (the engine reuses only its exact common prefix
+    # with the prompt) only within one known scope.
+    scope: str | None = None
+    # A cold start kept KV that is not its owner's (left by another session, or a donor's snapshot): until a
+    # turn of the owner succeeds on it, the slot is not the owner's to come back to (released otherwise).
+    foreign_kv: bool = False
 
     @property
     def free(self) -> bool:
@@ -137,6 +185,9 @@ class AcquireResult:
     evicted: str | None = None
     reason: str | None = None
     actions: list[str] = field(default_factory=list)
+    # Issue 28: tokens of another session's snapshot restored as this cold session's starting prefix (the
+    # `prefix_from` hint; the engine reuses only their exact common prefix with the prompt)
+    shared_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (v.value if isinstance(v, Outcome) else v) for k, v in self.__dict__.items()}

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from kvsidecar.coordinator.costs import CostModel
-from kvsidecar.coordinator.gauges import CostCollector, StateCollector
+from kvsidecar.coordinator.gauges import CostCollector, StateCollector, UnsavedCollector
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.state import Lease, Outcome, SessionRuntime
 from kvsidecar.errors import KvError
@@ -71,6 +71,17 @@ class Telemetry:
         collector = StateCollector(servers=servers, leases=leases, store=store, quota_bytes=quota_bytes)
         self.metrics.registry.register(collector)
 
+    def watch_unsaved(
+        self,
+        *,
+        servers: Iterable[str],
+        sessions: Callable[[], Iterable[SessionRuntime]],
+        monotonic: Callable[[], float],
+    ) -> None:
+        """Publish the unsaved-work gauges (issue 26), read at scrape."""
+        collector = UnsavedCollector(servers=servers, sessions=sessions, monotonic=monotonic)
+        self.metrics.registry.register(collector)
+
     def stats(self) -> dict[str, int]:
         m = self.metrics
         return {
@@ -87,6 +98,15 @@ class Telemetry:
             "switches": _total(m.switch),
             "server_restarts": _total(m.server_restarts),
             "leases_expired": _total(m.leases_expired),
+            # issue 29: snapshots of another llama.cpp build carried over (converted or copied), or not
+            "carried_over": _total(m.carry_over, result="converted") + _total(m.carry_over, result="copied"),
+            "carry_over_refused": _total(m.carry_over, result="refused")
+            + _total(m.carry_over, result="different")
+            + _total(m.carry_over, result="failed"),
+            # issue 25: local llama-server processes seen gone, and those a crash signal ended
+            "backend_exits": _total(m.backend_exits),
+            "shared_prefix_tokens": _total(m.shared_prefix_tokens),
+            "prefix_donor_restores": _total(m.prefix_donor, result="restored"),
         }
 
     # servers ------------------------------------------------------------------------------------------
@@ -118,6 +138,20 @@ class Telemetry:
                 signal=crash_loop,
                 hint=crash_hint(crash_loop),
             )
+
+    def carry_over(self, server: str, rt: SessionRuntime, result: str, detail: str) -> None:
+        """A snapshot saved under another llama.cpp build: carried over (converted, copied), or why not."""
+        self.metrics.carry_over.labels(server, result).inc()
+        level = logging.INFO if result in ("converted", "copied") else logging.WARNING
+        event(
+            log,
+            level,
+            "kv.snapshot.carry_over",
+            server=server,
+            session=rt.identity.short,
+            result=result,
+            detail=detail,
+        )
 
     def server_unavailable(self, server: str, error: str | None) -> None:
         event(log, logging.WARNING, "kv.backend.unavailable", server=server, error=error)
@@ -196,12 +230,19 @@ class Telemetry:
             session=lease.session_id,
         )
 
-    def lease_expired(self, lease: Lease) -> None:
+    def lease_expired(self, lease: Lease, *, unclaimed: bool = False) -> None:
+        """`unclaimed`: ended at its claim TTL, never seen in use (issue 26 C), not at its full TTL."""
         self.metrics.leases_expired.labels(lease.server).inc()
         session = short_id(lease.session_id) if lease.session_id else None
-        event(
-            log, logging.WARNING, "kv.lease.expired", server=lease.server, slot=lease.slot_id, session=session
-        )
+        name = "kv.lease.unclaimed" if unclaimed else "kv.lease.expired"
+        event(log, logging.WARNING, name, server=lease.server, slot=lease.slot_id, session=session)
+
+    def acquire_abandoned(
+        self, server: str, slot: int | None, session_id: str | None, why: str | None
+    ) -> None:
+        """An acquire whose caller was gone before its lease was granted: no lease, the slot given back."""
+        session = short_id(session_id) if session_id else None
+        event(log, logging.INFO, "kv.acquire.abandoned", server=server, slot=slot, session=session, why=why)
 
     # restore ------------------------------------------------------------------------------------------
     def rejected(self, rt: SessionRuntime, rejection: Rejection) -> None:
@@ -279,6 +320,25 @@ class Telemetry:
     def cold(self, server: str, outcome: Outcome, reason: str | None) -> None:
         """A session's slot erased for a cold prefill (auxiliary requests are not counted here)."""
         self.metrics.cold.labels(server, outcome.value, reason or "no snapshot").inc()
+
+    def shared_prefix(self, server: str, tokens: int) -> None:
+        """A cold session's turn reused `tokens` of KV another session left or donated (issue 28)."""
+        self.metrics.shared_prefix_tokens.labels(server).inc(tokens)
+
+    def prefix_donated(
+        self, server: str, rt: SessionRuntime, donor: str, tokens: int | None, why: str
+    ) -> None:
+        """The `prefix_from` hint of a cold start: used (`restored`, `resident`) or not (why)."""
+        self.metrics.prefix_donor.labels(server, why).inc()
+        event(
+            log,
+            logging.INFO,
+            "kv.session.prefix_from",
+            session=rt.identity.short,
+            donor=donor,
+            result=why,
+            tokens=tokens,
+        )
 
     def erase_failed(self, slot: int, exc: KvError) -> None:
         event(log, logging.WARNING, "kv.slot.erase.failed", slot=slot, code=exc.code)

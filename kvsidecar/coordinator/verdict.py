@@ -17,6 +17,8 @@ def persistence_now(view: Mapping[str, Any], *, enabled: bool) -> dict[str, Any]
         return {"state": "unavailable", "reason": "SERVER_DOWN"}
     if view.get("slots_endpoint") is False:
         return {"state": "unavailable", "reason": "NO_SLOTS_ENDPOINT"}
+    if any(w.get("code") == "KV_SNAPSHOT_DIR_MOVED" for w in view.get("warnings") or ()):
+        return {"state": "unavailable", "reason": "SNAPSHOT_DIR_MOVED"}  # nothing saved or restored
     breaker = str(view.get("persistence", "unknown"))
     if breaker != "healthy":
         return {"state": "degraded", "reason": f"CIRCUIT_{breaker.upper()}"}

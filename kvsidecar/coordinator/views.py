@@ -3,6 +3,7 @@ state and the store (the CLI's offline view of a stopped daemon uses the same `s
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kvsidecar.coordinator.pool import owner_slot
@@ -10,7 +11,8 @@ from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionTable
 from kvsidecar.coordinator.state import Lease, SessionRuntime, SessionState, Slot
 from kvsidecar.coordinator.verdict import persistence_now
-from kvsidecar.savepath import save_path_warning
+from kvsidecar.errors import DirMoved
+from kvsidecar.savepath import SetupWarning, llama_save_dir, save_path_warning
 from kvsidecar.store.manifest import Manifest
 from kvsidecar.store.snapshots import SnapshotStore
 
@@ -21,8 +23,10 @@ def session_view(
     slot: Slot | None,
     *,
     full_id: bool,
+    now: float | None = None,
 ) -> dict[str, Any] | None:
-    """One (session, provider, model) as the API and the CLI show it; None if nothing is known."""
+    """One (session, provider, model) as the API and the CLI show it; None if nothing is known. `now`: the
+    coordinator's monotonic clock, for the unsaved age."""
     ident = rt.identity if rt else m.identity if m else None
     if ident is None:
         return None
@@ -38,6 +42,19 @@ def session_view(
         "saved_revision": rt.saved_revision if rt else 0,
         "last_error": rt.last_error if rt else None,
         "snapshot": None if m is None else _snapshot_view(m),
+        **unsaved_view(rt, time.monotonic() if now is None else now),
+    }
+
+
+def unsaved_view(rt: SessionRuntime | None, now: float) -> dict[str, Any]:
+    """What a llama-server crash would cost the session now (issue 26): seconds since its first turn that
+    no saved generation holds (null when clean), the tokens past the generation its slot extends (0 when
+    clean, null when unknown) and the turns since its last save."""
+    age = rt.unsaved_age_s(now) if rt else None
+    return {
+        "unsaved_age_s": None if age is None else round(age, 3),
+        "unsaved_tokens": rt.unsaved_tokens if rt else 0,
+        "unsaved_turns": rt.unsaved_turns if rt else 0,
     }
 
 
@@ -59,7 +76,12 @@ def _snapshot_view(m: Manifest) -> dict[str, Any]:
 
 
 def session_views(
-    sessions: SessionTable, store: SnapshotStore, servers: dict[str, ServerRuntime], session_id: str | None
+    sessions: SessionTable,
+    store: SnapshotStore,
+    servers: dict[str, ServerRuntime],
+    session_id: str | None,
+    *,
+    now: float | None = None,
 ) -> list[dict[str, Any]]:
     views = []
     for key in set(sessions.by_key) | {m.key for m in store.all()}:
@@ -68,7 +90,8 @@ def session_views(
         if ident is None or (session_id is not None and ident.session_id != session_id):
             continue
         srv = servers.get(ident.server)
-        view = session_view(m, rt, owner_slot(srv, key) if srv else None, full_id=session_id is not None)
+        slot = owner_slot(srv, key) if srv else None
+        view = session_view(m, rt, slot, full_id=session_id is not None, now=now)
         if view is not None:
             views.append(view)
     return sorted(views, key=lambda v: (v["server"], v["session"]))
@@ -84,12 +107,16 @@ def status(
     stats: dict[str, int],
     costs: dict[str, dict[str, Any]],
     pending_restart: list[str],
+    now: float | None = None,
 ) -> dict[str, Any]:
     manifests = store.all()
     valid = sum(1 for m in manifests if m.has_valid)
+    now = time.monotonic() if now is None else now
     return {
         "enabled": enabled,
-        "servers": [server_view(srv, sessions, enabled=enabled) for srv in servers.values()],
+        "servers": [
+            server_view(srv, sessions, enabled=enabled, now=now, store=store) for srv in servers.values()
+        ],
         "snapshots": {
             "known": len(manifests),
             "valid": valid,
@@ -105,7 +132,16 @@ def status(
     }
 
 
-def server_view(srv: ServerRuntime, sessions: SessionTable, *, enabled: bool = True) -> dict[str, Any]:
+def server_view(
+    srv: ServerRuntime,
+    sessions: SessionTable,
+    *,
+    enabled: bool = True,
+    now: float | None = None,
+    store: SnapshotStore | None = None,
+) -> dict[str, Any]:
+    now = time.monotonic() if now is None else now
+
     def slot_state(s: Slot) -> str:
         if isinstance(s.holder, Lease):
             return "inference"
@@ -135,13 +171,43 @@ def server_view(srv: ServerRuntime, sessions: SessionTable, *, enabled: bool = T
             "canary": (srv.canary[:12] if srv.canary else "pending") if srv.config.runtime_canary else "off",
             "canary_failures": srv.canary_failures,
             "restarts_seen": srv.epoch,
+            "model_identity": srv.model_proof.to_dict() if srv.model_proof is not None else None,
         },
         "slots": [
-            {"id": s.id, "owner": owner(s), "state": slot_state(s), "tokens": s.tokens}
+            {
+                "id": s.id,
+                "owner": owner(s),
+                "state": slot_state(s),
+                "tokens": s.tokens,
+                **unsaved_view(sessions.get(s.owner), now),  # what a crash would cost its owner now
+            }
             for s in sorted(srv.slots.values(), key=lambda s: s.id)
         ],
         # setup problems found now (srv.process is the llama-server process seen at the last refresh)
-        "warnings": [w.to_dict() for w in [save_path_warning(srv.name, srv.config, srv.process)] if w],
+        "warnings": [w.to_dict() for w in _setup_warnings(srv, store)],
     }
     view["persistence_now"] = persistence_now(view, enabled=enabled)
     return view
+
+
+def _setup_warnings(srv: ServerRuntime, store: SnapshotStore | None) -> list[SetupWarning]:
+    """The server's setup problems now: its snapshot directory (or the metadata directories) no longer
+    where its path leads (KV_SNAPSHOT_DIR_MOVED: nothing is saved or restored), and llama-server saving
+    elsewhere than snapshot_dir. A --slot-save-path that never led to snapshot_dir is the latter only."""
+    mismatch = save_path_warning(srv.name, srv.config, srv.process)
+    found: list[SetupWarning] = []
+    if store is not None:
+        theirs = None if mismatch is not None else llama_save_dir(srv.process)
+        faults = store.dir_faults({srv.name: theirs})
+        for area, why in faults.items():
+            if area.startswith("snapshots:") and area != f"snapshots:{srv.name}":
+                continue
+            found.append(
+                SetupWarning(
+                    code=DirMoved.code,
+                    server=srv.name,
+                    message=f"{area}: {why}; nothing is saved or restored there until it leads back",
+                    fix=DirMoved.default_hint,
+                )
+            )
+    return found + ([mismatch] if mismatch is not None else [])

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +30,15 @@ from redis.exceptions import RedisError
 from kvsidecar import __version__
 from kvsidecar.fleet import REDIS_DOWN, redacted
 from kvsidecar.fleet.ownership import Leases
-from kvsidecar.fleet.plane import FleetPlane, HostRecord, ServerRecord, connect, session_hash
+from kvsidecar.fleet.plane import (
+    FleetPlane,
+    HostRecord,
+    ServerRecord,
+    connect,
+    origin_of,
+    same_endpoint,
+    session_hash,
+)
 from kvsidecar.logs import event
 
 if TYPE_CHECKING:
@@ -63,6 +71,11 @@ class FleetAgent:
         self.op_timeout_s = OP_TIMEOUT_S
         self.client = connect(fleet.redis_url, timeout_s=self.op_timeout_s, **redis_options)
         self.plane = FleetPlane(self.client, key_prefix=fleet.key_prefix, host_ttl_s=fleet.host_ttl_s)
+        self.plane.own_host = self.host_id
+        self.plane.local_origins = frozenset(
+            o for s in config.servers.values() if (o := origin_of(s.base_url)) is not None
+        )
+        self.own_origins = own_origins(config)  # never forwarded to (routing.py, proxy.py): served here
         self.leases = Leases(self.client, key_prefix=fleet.key_prefix)
         self.queue: deque[_Op] = deque()
         self.dropped = 0  # residency events dropped from a full queue (the next heartbeat repairs them)
@@ -80,6 +93,8 @@ class FleetAgent:
         self._write = asyncio.Lock()  # residency writes: a replace never interleaves with an event
         self._tasks: list[asyncio.Task[None]] = []
         self.gate: FleetGate | None = None  # the write gate (fencing), installed by the service
+        # Run after each successful heartbeat (the router applies releases recorded for this host)
+        self.after_heartbeat: Callable[[], Awaitable[int]] | None = None
 
     # lifecycle ---------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -197,6 +212,8 @@ class FleetAgent:
         self.heartbeats += 1
         self.last_heartbeat = time.time()
         self._came_back()
+        if self.after_heartbeat is not None:
+            await self.after_heartbeat()
 
     def went_down(self, exc: BaseException) -> None:
         self.ping_ms = None
@@ -259,6 +276,10 @@ class FleetAgent:
             proxy_url=self.advertise_proxy_url,
         )
 
+    def names_this_host(self, origin: str) -> bool:
+        """Whether a peer's URL (an origin) is one of this host's own listeners."""
+        return any(same_endpoint(origin, own) for own in self.own_origins)
+
     def view(self) -> dict[str, Any]:
         """The `fleet` section of GET /v1/status (no Redis call: what the last heartbeat saw)."""
         age = None if self.last_heartbeat is None else round(time.time() - self.last_heartbeat, 3)
@@ -277,6 +298,18 @@ class FleetAgent:
             "owned_sessions": len(self.gate.tokens) if self.gate is not None else 0,
             "fenced": self.gate.fence.refused if self.gate is not None else 0,
         }
+
+
+def own_origins(config: Config) -> frozenset[str]:
+    """This host's own listeners (a wildcard listener also as loopback), as advertised and as configured:
+    a host record that names one of them is never forwarded to (the call is served here)."""
+    urls = [config.advertise_url(), config.advertise_proxy_url() or ""]
+    sections = [config.api, config.proxy] if config.proxy.enabled else [config.api]
+    for section in sections:
+        host = section.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        urls.append(f"http://{'[' + host + ']' if ':' in host else host}:{section.port}")
+    return frozenset(o for u in urls if u and (o := origin_of(u)) is not None)
 
 
 class FleetCollector(Collector):
@@ -308,6 +341,12 @@ class FleetCollector(Collector):
             "kvsidecar_fleet_taken_over",
             "Claims that found another host had owned the session since (this host's copy was dropped)",
             value=gate.taken_over if gate is not None else 0,
+        )
+        yield CounterMetricFamily(
+            "kvsidecar_fleet_records_refused",
+            "Host records read from Redis and refused: not one a kvsidecar writes (a URL that is not an "
+            "origin, a bad field), or a URL naming a llama-server or this host's own listener",
+            value=a.plane.refused_records,
         )
         yield CounterMetricFamily(
             "kvsidecar_fleet_publish_dropped",

@@ -17,12 +17,19 @@ heartbeats (see docs/FLEET.md for what a lost fencing counter means).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import ipaddress
 import json
+import logging
 import re
+import socket
 import time
 from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar, cast
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 import xxhash
@@ -30,9 +37,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from kvsidecar.config import HOST_ID
+from kvsidecar.config import HOST_ID, http_origin
+from kvsidecar.logs import event
 
 RECORD_VERSION = 1
+RECORD_REFUSED = "KV_FLEET_RECORD_REFUSED"  # logged when a host record in Redis is not one we write
+log = logging.getLogger("kvsidecar.fleet")
 T = TypeVar("T")
 
 
@@ -87,17 +97,23 @@ class HostRecord:
             if not isinstance(data, dict) or data.get("v") != RECORD_VERSION:
                 return None
             servers = tuple(_server(s) for s in data["servers"])
-            proxy_url = data.get("proxy_url")
-            # What this host will send its token to: a host id of ours, and http(s) URLs only.
-            if not HOST_ID.match(str(data["host_id"])) or not _url(data["advertise_url"]):
+            # What this host will send its token to: a host id of ours, and origins only (scheme, host,
+            # port): every URL sent to is one of them plus a path of ours (kvsidecar.config.http_origin).
+            # A proxy_url that is there and is not one refuses the whole record, as a bad advertise_url.
+            advertise = http_origin(data["advertise_url"])
+            raw_proxy = data.get("proxy_url")
+            proxy_url = http_origin(raw_proxy) if raw_proxy is not None else None
+            if not isinstance(data["host_id"], str) or not HOST_ID.match(data["host_id"]):
+                return None
+            if advertise is None or (raw_proxy is not None and proxy_url is None):
                 return None
             return cls(
-                host_id=str(data["host_id"]),
-                advertise_url=str(data["advertise_url"]),
+                host_id=data["host_id"],
+                advertise_url=advertise,
                 version=str(data["version"]),
                 time=float(data["time"]),
                 servers=servers,
-                proxy_url=str(proxy_url) if _url(proxy_url) else None,
+                proxy_url=proxy_url,
             )
         except PARSE_ERRORS:
             return None
@@ -123,10 +139,6 @@ def _server(data: Any) -> ServerRecord:
         slots_free=counts[1],
         slots_clean=counts[2],
     )
-
-
-def _url(value: object) -> bool:
-    return isinstance(value, str) and len(value) <= 512 and value.startswith(("http://", "https://"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,6 +183,12 @@ class FleetPlane:
         self.redis = client
         self.prefix = key_prefix
         self.host_ttl_ms = max(1, int(host_ttl_s * 1000))
+        self.refused_records = 0  # host records read and refused (not a record we write: forged, garbage)
+        self.refused_hosts: set[str] = set()  # refused at the last read (each logged once)
+        # Set by the agent: this host's id and the origins a peer's URLs must never name (its llama-servers):
+        # a record that would send this host's calls there is refused.
+        self.own_host: str | None = None
+        self.local_origins: frozenset[str] = frozenset()
 
     # key names ---------------------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
@@ -209,15 +227,29 @@ class FleetPlane:
         texts = await self.redis.mget([self.key("host", h) for h in ids])
         out: dict[str, HostRecord] = {}
         dead = []
+        refused: set[str] = set()
         for host_id, text in zip(ids, texts, strict=True):
             record = HostRecord.from_json(text) if isinstance(text, str) else None
             if record is None or record.host_id != host_id:
                 dead.append(host_id)
+                if text is not None:  # there, and not a record of ours: refused, not merely expired
+                    refused.add(host_id)
             else:
                 out[host_id] = record
+        inward = _inward(out, self.own_host, self.local_origins)
+        for host_id in inward:
+            del out[host_id]
+        self._refused(refused | inward)
         if dead:  # a host that comes back re-adds itself at its next heartbeat
             await awaited(self.redis.srem(self.key("hosts"), *dead))
         return out
+
+    def _refused(self, host_ids: set[str]) -> None:
+        """Count refused records; log a host id when its record starts being refused (not every read)."""
+        self.refused_records += len(host_ids)
+        for host_id in sorted(host_ids - self.refused_hosts):
+            event(log, logging.WARNING, "kv.fleet.host_record_refused", host=host_id, code=RECORD_REFUSED)
+        self.refused_hosts = host_ids
 
     # the residency map -------------------------------------------------------------------------------
     @staticmethod
@@ -302,6 +334,74 @@ class FleetPlane:
 MAX_VALUE = 64 * 1024  # a Redis value larger than this is not one we wrote
 # What parsing a value from Redis may raise besides our own refusals (it is input: never past here).
 PARSE_ERRORS = (ValueError, TypeError, KeyError, OverflowError, RecursionError, AttributeError)
+
+
+def origin_of(url: str) -> str | None:
+    """`scheme://host:port` of any http(s) URL (a server's base_url may have a path), default ports filled."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+        host = parts.hostname
+    except ValueError:
+        return None
+    if port is None or not host:
+        return None
+    return f"{parts.scheme}://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def same_endpoint(a: str, b: str) -> bool:
+    """Two origins naming the same host and port (every loopback spelling alike; the scheme aside)."""
+    return _endpoint(a) == _endpoint(b)
+
+
+def _endpoint(origin: str) -> tuple[str, int]:
+    """(host, port) of an origin, every spelling of this machine's own loopback spelled one way
+    ("loopback"): a loopback address (IPv4-mapped too), the unspecified address (a connection to 0.0.0.0
+    or [::] reaches this machine), and the names this machine resolves to loopback without DNS."""
+    host, _, port = origin.partition("://")[2].rpartition(":")
+    bare = host.strip("[]").lower()
+    try:
+        ip = ipaddress.ip_address(bare)
+    except ValueError:
+        bare = bare.rstrip(".")  # a fully qualified spelling ("localhost.") is the same name
+        loop = bare in _loopback_names() or bare.endswith(".localhost")  # RFC 6761 §6.3
+    else:
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped  # [::ffff:127.0.0.1] is 127.0.0.1 (Python 3.11 does not say loopback)
+        loop = ip.is_loopback or ip.is_unspecified
+    return ("loopback" if loop else bare, int(port))
+
+
+@functools.cache
+def _loopback_names() -> frozenset[str]:
+    """Host names that reach this machine's loopback: the usual ones, this machine's own name, and those
+    /etc/hosts maps to a loopback address (read once)."""
+    names = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback", socket.gethostname()}
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        for line in Path("/etc/hosts").read_text(encoding="utf-8").splitlines()[:10_000]:
+            fields = line.partition("#")[0].split()
+            try:
+                loop = len(fields) > 1 and ipaddress.ip_address(fields[0].partition("%")[0]).is_loopback
+            except ValueError:
+                continue
+            if loop:
+                names.update(fields[1:])
+    return frozenset(n.lower().rstrip(".") for n in names if n)
+
+
+def _inward(records: Mapping[str, HostRecord], own: str | None, local: Iterable[str]) -> set[str]:
+    """The hosts (other than this one) whose advertise_url or proxy_url names a llama-server: one of any
+    live record, or one of this host's (`local`), any loopback spelling alike: forwarding there would send
+    a hook call or an unpinned request where only kvsidecar may speak to a slot."""
+    banned = {_endpoint(o) for o in local}
+    for record in records.values():
+        banned |= {_endpoint(o) for s in record.servers if (o := origin_of(s.base_url)) is not None}
+    return {
+        host_id
+        for host_id, record in records.items()
+        if host_id != own
+        and any(_endpoint(u) in banned for u in (record.advertise_url, record.proxy_url) if u is not None)
+    }
 
 
 def _residency(host_id: str, text: str) -> Residency | None:

@@ -22,6 +22,7 @@ live host and their answers are summed: each host acts on what it holds of the s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -31,12 +32,13 @@ import httpx
 from starlette.responses import Response
 
 from kvsidecar.client_wire import segment
+from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.ownership import Claim
 from kvsidecar.errors import KvError, LeaseNotFound, NotFound
 from kvsidecar.fleet.agent import DOWN
 from kvsidecar.fleet.plane import HostRecord, session_hash
 from kvsidecar.logs import event
-from kvsidecar.router import HOP_HEADER
+from kvsidecar.router import DEADLINE_HEADER, HOP_HEADER
 
 if TYPE_CHECKING:
     from kvsidecar.coordinator.core import Coordinator
@@ -52,6 +54,9 @@ UNREACHABLE = (httpx.TransportError,)
 # Hops a call may take: 1, a host routed it (the receiver serves it unless another host claimed the session
 # meanwhile: then it follows the claim once more); 2, served where it lands.
 MAX_HOPS = 2
+RELEASES_KEPT = 1024  # releases recorded for one host that is not live (the oldest are dropped beyond)
+MAX_DEADLINE_MS = 999_999_999  # the most X-KV-Deadline-Ms says (9 digits; forward_timeout_s has no cap)
+MAX_LEASE_CHARS = 128  # a local lease id is 22 characters (token_urlsafe(16))
 
 
 class Forwarded(Response):
@@ -70,6 +75,8 @@ class FleetRouter:
         timeout = httpx.Timeout(agent.settings.forward_timeout_s, connect=agent.op_timeout_s)
         self.http = httpx.AsyncClient(headers=headers, timeout=timeout, trust_env=False)
         self.placed: dict[str, tuple[float, int]] = {}  # host -> (heartbeat seen, placements since)
+        self.seen: set[str] = set()  # hosts this one has seen live (a release may be recorded for them)
+        agent.after_heartbeat = self.drain_releases
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -78,7 +85,10 @@ class FleetRouter:
     def _live(self) -> dict[str, HostRecord]:
         """The live hosts to route by: none while Redis is down or the last heartbeat could not read them."""
         agent = self.agent
-        return dict(agent.hosts) if agent.redis_up and agent.hosts_fresh else {}
+        live = dict(agent.hosts) if agent.redis_up and agent.hosts_fresh else {}
+        if len(self.seen) < RELEASES_KEPT:
+            self.seen.update(live)
+        return live
 
     async def owner_of(self, key: str) -> str | None:
         """The live host where `key` belongs now (its lease, then its residency; this host included), or
@@ -135,30 +145,65 @@ class FleetRouter:
 
     # forwarding ----------------------------------------------------------------------------------------
     async def forward(
-        self, host_id: str, method: str, path: str, body: dict[str, Any] | None, hop: int
+        self,
+        host_id: str,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        hop: int,
+        caller: Caller | None = None,
     ) -> Response:
+        """The call, forwarded to `host_id`, with the budget this host waits for it (X-KV-Deadline-Ms:
+        `forward_timeout_s`, or what is left of its own caller's deadline): the receiver gives up before
+        this host does, so it never grants a lease this host no longer waits for. With `caller`, the call
+        is also given up (its connection closed: the receiver sees its caller leave) once that caller is
+        gone."""
         record = self._live().get(host_id)
         if record is None:
             raise httpx.ConnectError(f"host {host_id} is not live")
-        request = self.http.request(
-            method, record.advertise_url.rstrip("/") + path, json=body, headers={HOP_HEADER: str(hop + 1)}
-        )
-        answer = await self._while_live(host_id, request)
+        if self.agent.names_this_host(record.advertise_url):  # a record naming this host: served here
+            raise httpx.ConnectError(f"host {host_id}'s advertise_url is this host's own listener")
+        budget = self.agent.settings.forward_timeout_s
+        left = caller.remaining() if caller is not None else None
+        if left is not None:
+            budget = min(budget, left)
+        budget_ms = min(MAX_DEADLINE_MS, max(1, int(budget * 1000)))  # the receiver takes 1-9 digits
+        headers = {HOP_HEADER: str(hop + 1), DEADLINE_HEADER: str(budget_ms)}
+        url = record.advertise_url.rstrip("/") + path  # an origin (plane.HostRecord.from_json): our path
+        request = self.http.request(method, url, json=body, headers=headers)
+        try:
+            async with asyncio.timeout(budget):
+                answer = await self._while_live(host_id, request, caller)
+        except TimeoutError:
+            if caller is not None and caller.gone():
+                raise caller.error(host_id) from None
+            raise httpx.ReadTimeout(f"host {host_id} did not answer within {budget:.0f}s") from None
         headers = {k: v for k, v in answer.headers.items() if k.lower() in ("retry-after", "content-type")}
         return Forwarded(answer.content, status_code=answer.status_code, headers=headers)
 
-    async def _while_live(self, host_id: str, request: Awaitable[httpx.Response]) -> httpx.Response:
+    async def _while_live(
+        self, host_id: str, request: Awaitable[httpx.Response], caller: Caller | None = None
+    ) -> httpx.Response:
         """The peer's answer, unless the peer drops out of the live hosts first (stopped, partitioned: its
-        kernel may still accept connections): then ConnectError, and the caller takes the session over."""
+        kernel may still accept connections): then ConnectError, and the caller takes the session over.
+        A `caller` that goes away first: KV_SLOT_BUSY (the request is cancelled, its connection closed)."""
         task = asyncio.ensure_future(request)
+        gone = asyncio.ensure_future(caller.wait()) if caller is not None else None
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=self.agent.settings.heartbeat_s)
-                if done:
+                waiting = {task} if gone is None else {task, gone}
+                done, _ = await asyncio.wait(
+                    waiting, timeout=self.agent.settings.heartbeat_s, return_when=asyncio.FIRST_COMPLETED
+                )
+                if task in done:
                     return task.result()
+                if caller is not None and caller.gone():
+                    raise caller.error(host_id)
                 if not self.is_live(host_id):
                     raise httpx.ConnectError(f"host {host_id} stopped answering and is no longer live")
         finally:
+            if gone is not None:
+                gone.cancel()
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -183,17 +228,50 @@ class FleetRouter:
         body: dict[str, Any],
         hop: int,
         serve: Callable[[], Awaitable[dict[str, Any]]],
+        *,
+        caller: Caller | None = None,
     ) -> dict[str, Any] | Response:
-        """An acquire (or a restore): forwarded to the host the session belongs to, or served here."""
+        """An acquire (or a restore): forwarded to the host the session belongs to, or served here. A caller
+        that is gone (disconnected, past its deadline) gets nothing: no claim, no forward, no lease."""
+        if caller is not None and caller.gone():
+            raise self._abandoned(caller, server)
         if key is None or server is None or hop >= MAX_HOPS:  # a peer insisted: served where it lands
             return self.named(await serve())
         target = await self.decide(key, server, hop)
+        if caller is not None and caller.gone():  # it left while Redis was asked: forward nothing
+            raise self._abandoned(caller, server)
         if target != self.host_id:
             try:
-                return await self.forward(target, "POST", path, body, hop)
+                answer = await self.forward(target, "POST", path, body, hop, caller)
             except UNREACHABLE as exc:
+                if caller is not None and caller.gone():
+                    raise caller.error(server) from None
                 await self._take_over(key, target, exc)
+            else:
+                if caller is not None and caller.gone():  # granted as the caller left: nobody holds it
+                    await self._drop_granted(target, answer)
+                    raise caller.error(server)
+                return answer
         return self.named(await serve())
+
+    def _abandoned(self, caller: Caller, server: str | None) -> KvError:
+        """The answer to a call whose caller is gone (a peer that gave up on this host, e.g. while it was
+        stopped): nothing was claimed, forwarded or granted for it."""
+        event(log, logging.INFO, "kv.fleet.acquire_abandoned", why=caller.why or "deadline")
+        return caller.error(server or self.host_id)
+
+    async def _drop_granted(self, host_id: str, answer: Response) -> None:
+        """Release, on `host_id`, the lease its answer granted for a caller that is gone meanwhile."""
+        try:
+            data = json.loads(bytes(answer.body)) if answer.status_code == 200 else None
+        except ValueError:
+            return
+        lease = data.get("lease_id") if isinstance(data, dict) else None
+        if not isinstance(lease, str) or not lease or len(lease) > 256:
+            return
+        path = f"/v1/leases/{segment(lease)}/release"
+        with contextlib.suppress(*UNREACHABLE, KvError):
+            await self.forward(host_id, "POST", path, {"status": "aborted"}, MAX_HOPS - 1)
 
     async def decide(self, key: str, server: str, hop: int) -> str:
         """The host that serves session key `key` of `server` now (this host's id: here). A session placed
@@ -216,7 +294,9 @@ class FleetRouter:
             return None
         target = await self.decide(key, server, hop)
         record = self._live().get(target)
-        url = record.proxy_url if record is not None else None
+        url = record.proxy_url if record is not None else None  # an origin: the path is the proxy's own
+        if url is not None and self.agent.names_this_host(url):
+            url = None  # a record naming this host's own proxy: served here
         return (target, url) if target != self.host_id and url is not None else None
 
     async def proxy_unreachable(self, key: str, host_id: str, exc: BaseException) -> None:
@@ -247,12 +327,76 @@ class FleetRouter:
         host_id, sep, local = lease_id.rpartition(LEASE_SEP)
         if not sep or host_id == self.host_id:
             return await serve(local)
-        if hop >= MAX_HOPS or host_id not in self._live():
-            raise LeaseNotFound("no such lease (its host is not live)")
+        if hop >= MAX_HOPS:
+            raise LeaseNotFound("no such lease (its host is not this one)")
+        if host_id in self._live():
+            try:
+                path = f"/v1/leases/{segment(lease_id)}/release"
+                return await self.forward(host_id, "POST", path, body, hop)
+            except UNREACHABLE:
+                pass
+        return await self._queue_release(host_id, local, body)
+
+    async def _queue_release(self, host_id: str, local: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A release for a host that is not live (stopped, partitioned) or cannot be reached: recorded in
+        Redis for that host, which applies it at its next heartbeat once it is back (`drain_releases`);
+        until then its lease holds a slot nobody can use anyway. Only for a host this one has seen live
+        (a made-up host id is no lease: 404), and bounded (RELEASES_KEPT per host, for lease_ttl_s)."""
+        if host_id not in self.seen or len(local) > MAX_LEASE_CHARS:
+            raise LeaseNotFound("no such lease (its host is unknown here)")
+        item = json.dumps({**body, "lease": local}, separators=(",", ":"))
+        key = f"{self.agent.settings.key_prefix}:releases:{host_id}"
+        ttl_ms = max(1, int(self.coordinator.config.api.lease_ttl_s * 1000))
         try:
-            return await self.forward(host_id, "POST", f"/v1/leases/{segment(lease_id)}/release", body, hop)
-        except UNREACHABLE:
-            raise LeaseNotFound("no such lease (its host cannot be reached)") from None
+            async with asyncio.timeout(self.agent.op_timeout_s * 2):
+                async with self.agent.client.pipeline(transaction=True) as pipe:
+                    pipe.rpush(key, item)
+                    pipe.ltrim(key, -RELEASES_KEPT, -1)
+                    pipe.pexpire(key, ttl_ms)
+                    await pipe.execute()
+        except DOWN as exc:
+            self.agent.went_down(exc)
+            raise LeaseNotFound(
+                f"the lease's host {host_id} is not live and the release could not be recorded",
+                hint="retry the release; the lease also ends at its TTL",
+            ) from None
+        event(log, logging.WARNING, "kv.fleet.release_queued", host=host_id)
+        return {"released": False, "dirty": False, "queued": True, "host": host_id}
+
+    async def drain_releases(self) -> int:
+        """Apply the releases other hosts recorded for this one while it was not live (called after each
+        heartbeat). Each entry is hostile input: anything but a lease id and a valid release body is
+        skipped. Returns how many leases were released."""
+        from kvsidecar.api import ReleaseBody  # the release route's own body model (api imports us)
+
+        if len(self.seen) < RELEASES_KEPT:
+            self.seen.update(self.agent.hosts)
+        key = f"{self.agent.settings.key_prefix}:releases:{self.host_id}"
+        async with self.agent.client.pipeline(transaction=True) as pipe:
+            pipe.lrange(key, 0, RELEASES_KEPT - 1)
+            pipe.ltrim(key, RELEASES_KEPT, -1)
+            items, _ = await pipe.execute()
+        released = 0
+        for raw in items if isinstance(items, list) else []:
+            try:
+                data = json.loads(raw) if isinstance(raw, bytes | str) and len(raw) <= 4096 else None
+                lease = data.pop("lease", None) if isinstance(data, dict) else None
+                if not isinstance(lease, str) or not lease or len(lease) > MAX_LEASE_CHARS:
+                    continue
+                body = ReleaseBody.model_validate(data)
+                await self.coordinator.release(
+                    lease,
+                    status=body.status,
+                    prompt_tokens=body.prompt_tokens,
+                    cached_tokens=body.cached_tokens,
+                    prompt_ms=body.prompt_ms,
+                )
+                released += 1
+            except (ValueError, KvError):  # not one of ours, or the lease ended meanwhile
+                continue
+        if released:
+            event(log, logging.INFO, "kv.fleet.releases_applied", count=released)
+        return released
 
     async def _holding(self, session_id: str) -> set[str]:
         live = self._live()

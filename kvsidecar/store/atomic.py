@@ -50,6 +50,32 @@ def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o600, durable: b
         _fsync_dir(path.parent)
 
 
+def atomic_write_at(dfd: int, name: str, data: bytes, *, mode: int = 0o600, durable: bool = True) -> None:
+    """`atomic_write_bytes` relative to a directory descriptor: the temp file is created there (O_EXCL,
+    O_NOFOLLOW) and renamed over `name` there, so nothing on the directory's path (a link retargeted, an
+    ancestor replaced) can send the write anywhere else. `name` is one plain file name."""
+    if not name or "/" in name or name in {".", ".."}:
+        raise ValueError(f"not a plain file name: {name!r:.80}")
+    tmp = f".{name}{TEMP_MARK}{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
+    if durable:
+        os.fsync(dfd)
+
+
 SHARED_TEMP_AGE_S = 600.0  # fleet: another host's write in progress is never this old
 
 

@@ -135,6 +135,23 @@ class CandidateFinder:
                 self.table.mark_invalid(manifest.key, gen, rejection.reason)
         return None, rejections
 
+    def check_before_restore(self, candidate: Candidate, theirs: str | None = None) -> None:
+        """Right before llama-server is asked to read a candidate: the directory's configured path (and
+        `theirs`, llama-server's --slot-save-path as this host sees it) still leads to the directory held
+        since start (DirMoved otherwise), and the name, opened by those paths as the server opens it, is
+        still the very file that was verified (UnsafeFile otherwise: swapped, or a link planted)."""
+        d = self.layout.snap[candidate.identity.server]
+        d.anchor.ensure(theirs)
+        name = candidate.record.filename
+        st = d.lstat(name)
+        if st is None:  # deleted since it was verified: llama-server would wipe the slot, never asked
+            raise SnapshotNotFound(f"{name[:40]}: deleted since it was verified; not restored")
+        same = stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+        if same and st is not None and candidate.file_id is not None:
+            same = file_id(st) == candidate.file_id
+        if not same or not d.leads_to(name, st, theirs):
+            raise UnsafeFile(f"{name[:40]}: no longer the file that was verified; not restored")
+
     def confirm_unchanged(self, candidate: Candidate) -> bool:
         """After llama-server read a candidate: is the name still the very file that was verified?
         (Narrows the window in which the file could be swapped between our check and the server's open.)"""

@@ -20,15 +20,27 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from kvsidecar.store.state_format import StateFormatError, StateLayout, Stream, parse
+from kvsidecar.errors import KvError
+from kvsidecar.store.atomic import atomic_write_at
+from kvsidecar.store.confined import DirAnchor
+from kvsidecar.store.state_format import (
+    LayerKV,
+    StateFormatError,
+    StateLayout,
+    Stream,
+    parse,
+    text_tokens,
+)
 
 BUILD_COMPONENTS = frozenset({"build_info", "server_binary", "server_libs"})
 CANARY = "canary_kv"
 _UNMEASURED = frozenset({"", "absent", "pending", "unknown", "none"})
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 ROWS_TO_PROVE = 256  # positions recomputed under the new build: a few hundred tokens of the real session
 
 
@@ -83,40 +95,58 @@ def _compare(old: BinaryIO, a: StateLayout, new: BinaryIO, b: StateLayout, rows:
         return RowsProof(equal=False, rows=0, detail="not one stream each")
     sa, sb = a.streams[0], b.streams[0]
     n = min(rows, sa.cell_count, sb.cell_count)
-    if n < 1 or sa.positions[:n] != tuple(range(n)) or sb.positions[:n] != tuple(range(n)):
-        return RowsProof(equal=False, rows=0, detail="the first positions are not 0..n-1 in order")
-    if sa.v_trans != sb.v_trans or sa.n_layer != sb.n_layer:
-        return RowsProof(equal=False, rows=0, detail="another cache layout")
-    if a.tokens[:n] != b.tokens[:n]:
-        return RowsProof(equal=False, rows=0, detail="other tokens")
+    why = _not_comparable(a, b, n)
+    if why is not None:
+        return RowsProof(equal=False, rows=0, detail=why)
     for la, lb in zip(sa.layers, sb.layers, strict=True):
-        if (la.k_type, la.k_row, la.v_type, la.v_row) != (lb.k_type, lb.k_row, lb.v_type, lb.v_row):
-            return RowsProof(equal=False, rows=0, detail="other cache types or row sizes")
         if _read(old, la.k_offset, n * la.k_row) != _read(new, lb.k_offset, n * lb.k_row):
             return RowsProof(equal=False, rows=n, detail="K differs")
-        if not sa.v_trans:
-            if _read(old, la.v_offset, n * la.v_row) != _read(new, lb.v_offset, n * lb.v_row):
-                return RowsProof(equal=False, rows=n, detail="V differs")
-            continue
-        el = la.v_row // max(1, la.v_embd)
-        for j in range(la.v_embd):  # transposed V: one run of cells per embedding element
-            va = _read(old, la.v_offset + j * sa.cell_count * el, n * el)
-            vb = _read(new, lb.v_offset + j * sb.cell_count * el, n * el)
-            if va != vb:
-                return RowsProof(equal=False, rows=n, detail="V differs")
+        if not _same_v(old, new, sa, sb, la, lb, n):
+            return RowsProof(equal=False, rows=n, detail="V differs")
     return RowsProof(equal=True, rows=n, detail=f"{n} positions bit-identical in every layer")
+
+
+def _not_comparable(a: StateLayout, b: StateLayout, n: int) -> str | None:
+    sa, sb = a.streams[0], b.streams[0]
+    if n < 1 or sa.positions[:n] != tuple(range(n)) or sb.positions[:n] != tuple(range(n)):
+        return "the first positions are not 0..n-1 in order"
+    if sa.v_trans != sb.v_trans or sa.n_layer != sb.n_layer:
+        return "another cache layout"
+    try:
+        if text_tokens(a)[:n] != text_tokens(b)[:n]:
+            return "other tokens"
+    except StateFormatError as e:
+        return f"not comparable: {e.code}"
+    for la, lb in zip(sa.layers, sb.layers, strict=True):
+        if (la.k_type, la.k_row, la.v_type, la.v_row) != (lb.k_type, lb.k_row, lb.v_type, lb.v_row):
+            return "other cache types or row sizes"
+    return None
+
+
+def _same_v(old: BinaryIO, new: BinaryIO, sa: Stream, sb: Stream, la: LayerKV, lb: LayerKV, n: int) -> bool:
+    if not sa.v_trans:
+        return _read(old, la.v_offset, n * la.v_row) == _read(new, lb.v_offset, n * lb.v_row)
+    el = la.v_row // max(1, la.v_embd)
+    for j in range(la.v_embd):  # transposed V: one run of cells per embedding element
+        va = _read(old, la.v_offset + j * sa.cell_count * el, n * el)
+        if va != _read(new, lb.v_offset + j * sb.cell_count * el, n * el):
+            return False
+    return True
 
 
 class Verdicts:
     """Which (old fingerprint, new fingerprint) pairs were proven to compute the same KV, or not.
 
-    Kept in `<state_dir>/build-equivalence.json` (ours, written atomically by the caller's writer); a record
-    that does not parse counts as no verdict (the proof runs again)."""
+    Kept in `<state_dir>/build-equivalence.json`, read and written only inside the held state directory
+    (never through its path, never through a link at the name); a record that does not parse counts as no
+    verdict, so the proof runs again."""
 
+    NAME = "build-equivalence.json"
     MAX_BYTES = 1 << 20
+    MAX_ENTRIES = 1024
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, directory: DirAnchor) -> None:
+        self.directory = directory
         self._verdicts: dict[str, dict[str, object]] = self._load()
 
     @staticmethod
@@ -125,10 +155,15 @@ class Verdicts:
 
     def _load(self) -> dict[str, dict[str, object]]:
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
+            with self.directory.fd() as dfd:
+                fd = os.open(
+                    self.NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd
+                )
+        except (OSError, KvError):
             return {}
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return {}
             data = os.read(fd, self.MAX_BYTES + 1)
         finally:
             os.close(fd)
@@ -141,16 +176,27 @@ class Verdicts:
         if not isinstance(raw, dict):
             return {}
         out: dict[str, dict[str, object]] = {}
-        for k, v in raw.items():
-            if isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("equal"), bool):
-                out[k] = {"equal": v["equal"], "rows": v.get("rows") if isinstance(v.get("rows"), int) else 0}
+        for k, v in list(raw.items())[: self.MAX_ENTRIES]:
+            if (
+                isinstance(k, str)
+                and len(k) <= 200
+                and isinstance(v, dict)
+                and isinstance(v.get("equal"), bool)
+            ):
+                rows = v.get("rows")
+                out[k] = {"equal": v["equal"], "rows": rows if isinstance(rows, int) else 0}
         return out
 
     def get(self, old: str, new: str) -> bool | None:
         v = self._verdicts.get(self.key(old, new))
         return None if v is None else bool(v["equal"])
 
-    def record(self, old: str, new: str, proof: RowsProof) -> bytes:
-        """Remember the verdict; returns the file's new content for the caller to write atomically."""
+    def record(self, old: str, new: str, proof: RowsProof) -> None:
+        """Remember the verdict, durably (call off the event loop)."""
         self._verdicts[self.key(old, new)] = {"equal": proof.equal, "rows": proof.rows}
-        return json.dumps(self._verdicts, sort_keys=True).encode()
+        while len(self._verdicts) > self.MAX_ENTRIES:
+            self._verdicts.pop(next(iter(self._verdicts)))
+        data = json.dumps(self._verdicts, sort_keys=True).encode()
+        self.directory.ensure()
+        with self.directory.fd() as dfd:
+            atomic_write_at(dfd, self.NAME, data)

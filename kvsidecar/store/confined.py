@@ -10,29 +10,45 @@ A file we read must be a regular file with one link, owned by an expected user (
 directory: llama-server running as another user of a shared group). Every check is done on the open
 descriptor (fstat), so what is checked is what is read.
 
-What this cannot close: llama-server opens snapshot files by name, following links, after our checks (it
-reads on restore, creates/truncates on save). Someone who can write the snapshot directory can swap a
-name between our check and the server's open. Directories are therefore 0700 (or 2770 for a shared group,
-see `secure_directory`), so that "someone" is limited to our user, llama-server's user and root.
+The directory itself is held (`DirAnchor`): opened once at start and kept open, so that every access goes
+through that very directory, whatever its path leads to later; and every path that must lead to it (the
+configured one, llama-server's --slot-save-path) is checked, component by component as the kernel resolves
+it, against the held descriptor's device and inode (`DirAnchor.moved`). A difference is a fault
+(`SNAPSHOT_DIR_MOVED`): nothing is removed or renamed there (`unlink`, `move_aside` refuse), and the store
+refuses to save, restore or write metadata until the path leads back.
+
+What this cannot close: llama-server opens snapshot files by path, following links, after our checks (it
+reads on restore, creates/truncates on save). Someone who can write the snapshot directory (or retarget a
+link on its path) can swap a name between our check and the server's open. Directories are therefore 0700
+(or 2770 for a shared group, see `secure_directory`), so that "someone" is limited to our user,
+llama-server's user and root; the checks run right before and right after each call, which leaves only a
+retarget that is undone within the call's own duration undetected.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import stat
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvsidecar.errors import SnapshotCorrupt, SnapshotNotFound
+from kvsidecar.errors import DirMoved, SnapshotCorrupt, SnapshotNotFound
+from kvsidecar.logs import event
+
+log = logging.getLogger("kvsidecar.store")
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: opening a FIFO planted at one of our names must not hang the daemon.
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 UNSAFE = "SNAPSHOT_FILE_UNSAFE"  # reason code: not a plain regular file of ours at one of our names
+DIR_MOVED = "SNAPSHOT_DIR_MOVED"  # reason code: a path no longer leads to the directory held open
 
 
 class UnsafeFile(SnapshotCorrupt):
@@ -74,12 +90,114 @@ class Entry:
     st: os.stat_result  # lstat: the entry itself, never what a link points to
 
 
+DirId = tuple[int, int]  # (st_dev, st_ino)
+
+
+class DirAnchor:
+    """One directory of ours, held open from `hold()` on, and the paths that must keep leading to it.
+
+    Before `hold()` (or for a read-only look that never holds) every access opens `path` as before. Once
+    held, `fd()` gives a fresh descriptor of the held directory itself (openat(held, ".")), never reached
+    by a path again; `moved()` says whether `path` and every view still resolve to it. Holding it open
+    also keeps its inode from being reused, so an equal (device, inode) is the same directory."""
+
+    def __init__(self, path: Path, *, area: str, views: tuple[str, ...] = ()) -> None:
+        self.path = Path(path)
+        self.area = area  # for logs and status: "snapshots:<server>", "manifests", ...
+        self.views = tuple(str(v) for v in views)  # configured paths that must lead here
+        self._fd: int | None = None
+        self.held_id: DirId | None = None
+        self._lock = threading.Lock()
+        self._fault: str | None = None  # the last fault seen, logged once per change
+
+    def hold(self) -> None:
+        """Open the directory (never through a link at its final component) and keep it open."""
+        if self._fd is not None:
+            return
+        dfd = os.open(self.path, _DIR_FLAGS)
+        st = os.fstat(dfd)
+        self._fd, self.held_id = dfd, (st.st_dev, st.st_ino)
+        # closed with the anchor; `os.close` as it is now (a test's fake filesystem may be gone by then)
+        weakref.finalize(self, _close_held, os.close, dfd)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    @contextlib.contextmanager
+    def fd(self) -> Iterator[int]:
+        """A descriptor of the directory: the held one's (a fresh open file description, so that listings
+        in several threads never share an offset), or, before `hold`, the path opened without a link."""
+        try:
+            if self._fd is not None:
+                dfd = os.open(".", _DIR_FLAGS, dir_fd=self._fd)
+            else:
+                dfd = os.open(self.path, _DIR_FLAGS)
+        except FileNotFoundError:
+            raise SnapshotNotFound(f"{self.path}: no such directory") from None
+        except OSError as exc:
+            raise UnsafeFile(f"{self.path}: cannot open as a directory ({exc.strerror})") from None
+        try:
+            yield dfd
+        finally:
+            os.close(dfd)
+
+    def moved(self, *extra: str | None) -> str | None:
+        """Why a path that must lead to the held directory does not (None: they all do, or nothing is
+        held). Each path is resolved as an open() of a file in it would be: every component, every link
+        followed (os.stat), and its device and inode compared to the held descriptor's. Logged on change:
+        `kv.store.dir_moved` (WARNING) when a fault appears or changes, `kv.store.dir_back` when it ends."""
+        if self.held_id is None:
+            return None
+        why: str | None = None
+        for view in dict.fromkeys((str(self.path), *self.views, *(e for e in extra if e))):
+            try:
+                st = os.stat(view)
+            except OSError as exc:
+                why = f"{view}: {exc.strerror}; kvsidecar holds the directory it opened at start"
+                break
+            if (st.st_dev, st.st_ino) != self.held_id:
+                kind = "a directory" if stat.S_ISDIR(st.st_mode) else f"a {describe(st)}"
+                why = f"{view} now leads to {kind} other than the one kvsidecar opened at start"
+                break
+        self._note(why)
+        return why
+
+    def ensure(self, *extra: str | None) -> None:
+        """Raise DirMoved unless every path still leads to the held directory."""
+        why = self.moved(*extra)
+        if why is not None:
+            raise DirMoved(why)
+
+    @property
+    def fault(self) -> str | None:
+        """The fault the last check found (None: none, or never checked)."""
+        with self._lock:
+            return self._fault
+
+    def _note(self, why: str | None) -> None:
+        with self._lock:
+            before, self._fault = self._fault, why
+        if why == before:
+            return
+        if why is not None:
+            event(log, logging.WARNING, "kv.store.dir_moved", code=DIR_MOVED, area=self.area, detail=why)
+        else:
+            event(log, logging.INFO, "kv.store.dir_back", area=self.area, path=self.path)
+
+
+def _close_held(close: Callable[[int], None], fd: int) -> None:
+    with contextlib.suppress(Exception):
+        close(fd)
+
+
 class ConfinedDir:
     """One directory of ours and the pattern every name in it must match."""
 
-    def __init__(self, path: Path, names: re.Pattern[str]) -> None:
+    def __init__(self, path: Path, names: re.Pattern[str], *, anchor: DirAnchor | None = None) -> None:
         self.path = Path(path)
         self.names = names
+        self.anchor = anchor if anchor is not None else DirAnchor(self.path, area=str(self.path))
 
     def check(self, name: str) -> str:
         if not isinstance(name, str) or not self.names.match(name):
@@ -95,17 +213,10 @@ class ConfinedDir:
 
     @contextlib.contextmanager
     def fd(self) -> Iterator[int]:
-        """The directory itself, never through a symlink planted in its place."""
-        try:
-            dfd = os.open(self.path, _DIR_FLAGS)
-        except FileNotFoundError:
-            raise SnapshotNotFound(f"{self.path}: no such directory") from None
-        except OSError as exc:
-            raise UnsafeFile(f"{self.path}: cannot open as a directory ({exc.strerror})") from None
-        try:
+        """The directory itself (the held one, see `DirAnchor`), never through a symlink planted in its
+        place."""
+        with self.anchor.fd() as dfd:
             yield dfd
-        finally:
-            os.close(dfd)
 
     def owner(self) -> int | None:
         with contextlib.suppress(OSError, SnapshotNotFound), self.fd() as dfd:
@@ -116,6 +227,19 @@ class ConfinedDir:
         """Who may own our files: us, and the directory's owner (llama-server's user, shared group)."""
         owner = self.owner()
         return frozenset({os.geteuid()} | ({owner} if owner is not None else set()))
+
+    def leads_to(self, name: str, st: os.stat_result, *extra: str | None) -> bool:
+        """Whether `name` opened by path, as llama-server opens it (every link followed), through the
+        directory's configured path and `extra` ones, is the file `st` (device and inode)."""
+        self.check(name)
+        for view in dict.fromkeys((str(self.path), *self.anchor.views, *(e for e in extra if e))):
+            try:
+                seen = os.stat(os.path.join(view, name))
+            except OSError:
+                return False
+            if (seen.st_dev, seen.st_ino) != (st.st_dev, st.st_ino):
+                return False
+        return True
 
     def lstat(self, name: str) -> os.stat_result | None:
         self.check(name)
@@ -169,8 +293,10 @@ class ConfinedDir:
         made before the rename). A rename takes microseconds whatever the file's size, so the caller can
         free its blocks later, off its path. The entry moved must then be `st` itself (device and inode:
         a regular file, since inode numbers get reused) and pass `keep`; anything swapped in between is put
-        back under `name`. None (the claim released) when nothing was moved aside."""
+        back under `name`. None (the claim released) when nothing was moved aside. Refused (DirMoved)
+        while the directory's path leads elsewhere."""
         self.check(name)
+        self.anchor.ensure()
         with self.fd() as dfd:
             for _ in range(3):  # 32 random bits each: a second draw is already a curiosity
                 aside = self.check(draw())
@@ -194,8 +320,10 @@ class ConfinedDir:
     def unlink(self, name: str) -> int | None:
         """Remove the entry itself (a link, never its target). Returns the bytes a plain regular file
         held (0 for other entries), None if nothing was there. A directory at one of our names is left
-        alone (UnsafeFile): nothing is ever deleted recursively."""
+        alone (UnsafeFile): nothing is ever deleted recursively. Nothing is deleted (DirMoved) while the
+        directory's path leads elsewhere."""
         self.check(name)
+        self.anchor.ensure()
         with self.fd() as dfd:
             st = lstat_at(name, dfd)
             if st is None:

@@ -33,8 +33,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from kvsidecar.errors import Fenced, MetadataIO
+from kvsidecar.errors import DirMoved, Fenced, KvError, MetadataIO
 from kvsidecar.logs import event
+from kvsidecar.store.confined import DirAnchor
 from kvsidecar.store.naming import KEY
 
 log = logging.getLogger("kvsidecar.store")
@@ -49,8 +50,13 @@ class FenceFiles:
     """The fence files of one shared directory. `token_for(key)` is this host's current token for a key
     (None: it holds none); the owner of the lease state (the fleet gate) provides it."""
 
-    def __init__(self, directory: Path, token_for: Callable[[str], int | None]) -> None:
+    def __init__(
+        self, directory: Path, token_for: Callable[[str], int | None], *, anchor: DirAnchor | None = None
+    ) -> None:
         self.directory = directory
+        # the fences directory held open (the store's): a fence is opened in it, never through its path,
+        # and refused (DirMoved, a MetadataIO) while the path leads elsewhere (issue 26 B)
+        self.anchor = anchor
         self.token_for = token_for
         self.refused = 0  # writes refused so far (kvsidecar_fleet_fenced_total)
         self.lock_wait_s = LOCK_WAIT_S
@@ -63,7 +69,16 @@ class FenceFiles:
             raise Fenced(f"not a session key: {key[:40]!r}")
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
         try:
-            fd = os.open(self.directory / key, flags, 0o600)
+            if self.anchor is not None:
+                self.anchor.ensure()
+                with self.anchor.fd() as dfd:
+                    fd = os.open(key, flags, 0o600, dir_fd=dfd)
+            else:
+                fd = os.open(self.directory / key, flags, 0o600)
+        except DirMoved:
+            raise  # a MetadataIO: the write is refused as any fence failure is, with its own code
+        except KvError as exc:  # the held directory cannot be opened
+            raise MetadataIO(f"cannot open the fence of {key[:8]}: {exc.message}") from None
         except OSError as exc:
             raise MetadataIO(f"cannot open the fence of {key[:8]}: {exc.strerror}") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device planted at the name

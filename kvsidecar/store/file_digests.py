@@ -20,13 +20,16 @@ import re
 import stat
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from kvsidecar.errors import KvError
 from kvsidecar.logs import event
-from kvsidecar.store.atomic import atomic_write_bytes
+from kvsidecar.store.atomic import atomic_write_at, atomic_write_bytes
+from kvsidecar.store.confined import DirAnchor
 from kvsidecar.store.jsonlimits import loads_capped
 
 log = logging.getLogger("kvsidecar.fingerprint")
@@ -125,8 +128,11 @@ class FileDigestCache:
     and a dict lookup; two concurrent calls for the same new file hash it once.
     """
 
-    def __init__(self, path: Path, *, racy_window_s: float = 2.0) -> None:
+    def __init__(self, path: Path, *, racy_window_s: float = 2.0, anchor: DirAnchor | None = None) -> None:
         self.path = path
+        # the state directory held open (the store's): the cache is written in it, never through its path,
+        # and not at all while the path leads elsewhere (issue 26 B)
+        self.anchor = anchor
         self._racy_ns = int(racy_window_s * 1e9)
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
@@ -134,11 +140,18 @@ class FileDigestCache:
         self._entries = load_digest_cache(path)
         self.computed = 0
 
-    def digest(self, path: Path | str) -> str | None:
-        """None when the file cannot be read as a regular file, or kept changing while being read."""
+    def digest(
+        self, path: Path | str, *, expect: Callable[[os.stat_result], bool] | None = None
+    ) -> str | None:
+        """None when the file cannot be read as a regular file, or kept changing while being read.
+
+        `expect`: the file must be this one (checked on the stat the digest is keyed by and on the file
+        that was read): a path that meanwhile names another file gives None, never that file's digest."""
         try:
             st = os.stat(path)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: a NUL in a path a hostile /props or setting names
+            return None
+        if expect is not None and not expect(st):
             return None
         key = file_identity(st)
         with self._lock:
@@ -148,7 +161,7 @@ class FileDigestCache:
         with busy:
             with self._lock:
                 hit = self._lookup(key)
-            result = hit if hit is not None else self._compute(path)
+            result = hit if hit is not None else self._compute(path, expect)
         with self._lock:
             self._busy.pop(key, None)
         return result
@@ -159,14 +172,18 @@ class FileDigestCache:
             self._entries[key] = hit  # most recently used last
         return hit
 
-    def _compute(self, path: Path | str) -> str | None:
+    def _compute(
+        self, path: Path | str, expect: Callable[[os.stat_result], bool] | None = None
+    ) -> str | None:
         for _ in range(3):
             try:
                 digest, st = file_digest(path)
+                if expect is not None and not expect(st):
+                    return None
                 break
             except FileChanging:
                 continue
-            except OSError:
+            except (OSError, ValueError):
                 return None
         else:
             return None
@@ -184,5 +201,10 @@ class FileDigestCache:
         with self._write_lock:
             with self._lock:
                 data = {"version": _CACHE_VERSION, "entries": dict(self._entries)}
-            with contextlib.suppress(OSError):
-                atomic_write_bytes(self.path, json.dumps(data).encode(), durable=False)
+            raw = json.dumps(data).encode()
+            with contextlib.suppress(OSError, KvError):
+                if self.anchor is None:
+                    atomic_write_bytes(self.path, raw, durable=False)
+                elif self.anchor.moved() is None:
+                    with self.anchor.fd() as dfd:
+                        atomic_write_at(dfd, self.path.name, raw, durable=False)

@@ -14,7 +14,7 @@ import os
 import stat
 
 from kvsidecar.errors import KvError
-from kvsidecar.store.atomic import atomic_write_bytes
+from kvsidecar.store.atomic import atomic_write_at
 from kvsidecar.store.confined import ConfinedDir, read_capped
 from kvsidecar.store.fingerprint import RuntimeFingerprint
 from kvsidecar.store.jsonlimits import JsonLimitError, loads_capped
@@ -36,7 +36,9 @@ class FingerprintRecords:
             if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
                 return
             payload = json.dumps(fingerprint.components, sort_keys=True).encode()
-            atomic_write_bytes(self.directory.join(name), payload)
+            self.directory.anchor.ensure()  # only into the held directory, while its path leads there
+            with self.directory.fd() as dfd:
+                atomic_write_at(dfd, self.directory.check(name), payload)
 
     def components(self, digest: str) -> dict[str, str] | None:
         """The components a fingerprint was registered with; None if unknown or the file is not sane."""

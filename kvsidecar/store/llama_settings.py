@@ -38,8 +38,12 @@ _POSITIONAL = "?positional"
 
 
 def _csv_paths(value: str) -> list[str]:
-    """llama.cpp's parse_csv_row: comma-separated, double quotes group and "" escapes."""
-    return next(csv.reader([value]), [])
+    """llama.cpp's parse_csv_row: comma-separated, double quotes group and "" escapes (a value csv cannot
+    read, such as one with a newline, is one path: it then names no file, and its text is fingerprinted)."""
+    try:
+        return next(csv.reader([value]), [])
+    except csv.Error:
+        return [value]
 
 
 def _scaled_paths(value: str) -> list[str]:

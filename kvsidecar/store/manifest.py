@@ -15,6 +15,7 @@ Decoding never raises anything but `BadManifest` (a `ManifestInvalid`) with a st
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -222,15 +223,17 @@ def write_manifest(directory: Path, manifest: Manifest, *, durable: bool = True)
     atomic_write_bytes(manifest_path(directory, manifest.key), manifest.to_json(), durable=durable)
 
 
-def read_manifest(path: Path) -> Manifest:
+def read_manifest(path: Path, *, dir_fd: int | None = None) -> Manifest:
     """Read one manifest file: never through a link, never more than MAX_BYTES, never a parse of an
-    over-deep document. The file name must be `<key>.json` for the key inside."""
+    over-deep document. The file name must be `<key>.json` for the key inside. With `dir_fd`, `path` is
+    a plain name in that directory (the store's held manifests directory)."""
     try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):  # a link, FIFO or device is never even opened
+        first = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(first.st_mode):  # a link, FIFO or device is never even opened
             raise BadManifest(NOT_REGULAR, f"{path.name[:40]}: not a regular file")
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
-        reason = NOT_REGULAR if os.path.islink(path) else UNREADABLE
+        reason = NOT_REGULAR if exc.errno == errno.ELOOP else UNREADABLE
         raise BadManifest(reason, f"{path.name[:40]}: cannot open ({exc.strerror})") from None
     try:
         st = os.fstat(fd)

@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 
 from kvsidecar.backend.base import SaveResult
-from kvsidecar.errors import KvError, SaveFailed, SnapshotCorrupt, SnapshotError
+from kvsidecar.errors import DirMoved, KvError, SaveFailed, SnapshotCorrupt, SnapshotError
 from kvsidecar.logs import event
 from kvsidecar.store.candidates import VerifiedFiles, file_id, verify_generation
 from kvsidecar.store.confined import UNSAFE, UnsafeFile, describe, problem
@@ -79,6 +79,9 @@ class SavePlanner:
         """Pick the generation to write: never the newest one that still verifies (preferring one saved
         under `fingerprint`, by default the server's runtime as last seen here). Stop trusting what the
         target held, and clear its name of anything planted there, before the server writes it."""
+        # Not while the directory's path leads elsewhere: nothing changes (no record dropped, no file
+        # moved), the save is refused as SNAPSHOT_DIR_MOVED.
+        self.layout.check_snapshot_dir(identity.server)
         manifest = self.table.get(identity.key)
         runtime = fingerprint.digest if fingerprint is not None else self.table.last_runtime(identity.server)
         kept = self._newest_verifying(manifest, runtime) if manifest is not None else None
@@ -174,6 +177,8 @@ class SavePlanner:
             raise SaveFailed(
                 f"refusing to save: {exc.message}", hint="Remove what occupies the name."
             ) from None
+        except DirMoved:
+            raise
         except SnapshotError as exc:
             raise SaveFailed(f"cannot prepare the save: {exc.message}") from None
         if why is not None:
@@ -186,6 +191,22 @@ class SavePlanner:
                 reason=UNSAFE,
             )
         return None
+
+    def check_target(self, plan: SavePlan, theirs: str | None = None) -> None:
+        """Right before llama-server is asked to write `plan.filename`: the directory's configured path
+        (and `theirs`, llama-server's --slot-save-path as this host sees it) still leads to the directory
+        held since start (DirMoved otherwise), and the name holds nothing, or our own plain regular file
+        (SaveFailed otherwise: something was planted there since `begin_save` cleared it). Through the
+        held directory: what is checked is the entry llama-server's open will meet, as long as the path
+        leads there (checked again right after the call, `check_written_dir`)."""
+        d = self.layout.snap[plan.identity.server]
+        d.anchor.ensure(theirs)
+        st = d.lstat(plan.filename)
+        if st is not None and (why := problem(st, d.expected_uids())) is not None:
+            raise SaveFailed(
+                f"refusing to save: the snapshot file name {why} (planted after it was cleared)",
+                hint="Remove what occupies the name.",
+            )
 
     def _room_to_retire(self, path: Path, st: os.stat_result) -> bool:
         """Whether the new file may be written while the old one still holds its space: room on the disk
@@ -263,8 +284,10 @@ class SavePlanner:
     ) -> Manifest:
         """Verify the file the backend says it wrote; only then flip the manifest to it (Invariant: A/B).
         The file is checked, hashed and chmod-ed through one descriptor opened without following links:
-        a link, FIFO, hard link or foreign file at the name is refused (and the entry removed)."""
+        a link, FIFO, hard link or foreign file at the name is refused (and the entry removed). Not
+        while the directory's path leads elsewhere (DirMoved: the server may have written elsewhere)."""
         try:
+            self.layout.check_snapshot_dir(plan.identity.server)
             header, size, digest, checked = self._check_written(plan, checksum=checksum)
             now = self.table.clock()
             record = GenerationRecord(
@@ -304,7 +327,12 @@ class SavePlanner:
     ) -> tuple[Header, int, str | None, tuple[int, int]]:
         """The written file's header, size and (if `checksum`) digest, read through one descriptor;
         ours is made 0600 (transcripts), a file of llama-server's user keeps its umask."""
-        with self.layout.snap[plan.identity.server].open_file(plan.filename) as (fd, st):
+        d = self.layout.snap[plan.identity.server]
+        with d.open_file(plan.filename) as (fd, st):
+            # The file is in our directory (fstatat through the held descriptor); and the configured path
+            # of the name leads to this very file (the server wrote it by that path).
+            if not d.leads_to(plan.filename, st):
+                raise SnapshotCorrupt(f"{plan.filename[:40]}: its path leads to another file; not trusted")
             header = header_from_fd(fd, plan.filename)
             if st.st_uid == os.geteuid():
                 with contextlib.suppress(OSError):

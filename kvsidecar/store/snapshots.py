@@ -30,8 +30,9 @@ from pathlib import Path
 import psutil
 
 from kvsidecar.backend.base import SaveResult
-from kvsidecar.errors import Fenced, KvError, MetadataIO
+from kvsidecar.errors import DirMoved, Fenced, KvError, MetadataIO
 from kvsidecar.store.candidates import Candidate, CandidateFinder, Rejection, VerifiedFiles
+from kvsidecar.store.confined import DirAnchor
 from kvsidecar.store.fence import FenceFiles
 from kvsidecar.store.fingerprint import RuntimeFingerprint
 from kvsidecar.store.fingerprint_records import FingerprintRecords
@@ -119,7 +120,7 @@ class SnapshotStore:
 
     def fence_with(self, token_for: Callable[[str], int | None]) -> FenceFiles:
         """Fleet mode: from now on every write and delete of a key's files is fenced by `token_for`."""
-        fence = FenceFiles(self.layout.fences_dir, token_for)
+        fence = FenceFiles(self.layout.fences_dir, token_for, anchor=self.layout.anchors.get("fences"))
         self.table.fence = fence
         return fence
 
@@ -239,6 +240,31 @@ class SnapshotStore:
     def confirm_unchanged(self, candidate: Candidate) -> bool:
         return self.candidates.confirm_unchanged(candidate)
 
+    # the directories llama-server writes and reads by path (SNAPSHOT_DIR_MOVED; layout, confined) ------
+    def check_snapshot_dir(self, server: str, theirs: str | None = None) -> None:
+        """DirMoved unless `server`'s configured snapshot_dir (and `theirs`, llama-server's
+        --slot-save-path as this host sees it) still resolves to the directory held since start."""
+        self.layout.check_snapshot_dir(server, theirs)
+
+    def snapshot_anchor(self, server: str) -> DirAnchor | None:
+        """The held snapshot directory of `server` (None: not one of the store's servers)."""
+        return self.layout.anchors.get(f"snapshots:{server}")
+
+    def snapshot_dir_fault(self, server: str, theirs: str | None = None) -> str | None:
+        return self.layout.snapshot_dir_fault(server, theirs)
+
+    def dir_faults(self, theirs: dict[str, str | None] | None = None) -> dict[str, str]:
+        """Every held directory whose path leads elsewhere now (area -> why)."""
+        return self.layout.faults(theirs)
+
+    def check_save_target(self, plan: SavePlan, theirs: str | None = None) -> None:
+        """Right before the server writes `plan`: see `SavePlanner.check_target`."""
+        self.saves.check_target(plan, theirs)
+
+    def check_before_restore(self, candidate: Candidate, theirs: str | None = None) -> None:
+        """Right before the server reads `candidate`: see `CandidateFinder.check_before_restore`."""
+        self.candidates.check_before_restore(candidate, theirs)
+
     def mark_invalid(self, key: str, gen: Generation, reason: str) -> None:
         self.table.mark_invalid(key, gen, reason)
 
@@ -285,7 +311,7 @@ class SnapshotStore:
         try:
             with self.table.fenced(parsed[0] if parsed else "-", "snapshot delete"):
                 return self.layout.snap[server].unlink(name) or 0
-        except Fenced:
+        except (Fenced, DirMoved):
             raise
         except (KvError, OSError) as exc:
             raise MetadataIO(f"cannot delete {name[:40]}: {exc}") from None

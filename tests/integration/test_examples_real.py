@@ -91,7 +91,9 @@ def test_harness_loop_switches_sessions_and_restores(setup: Setup, tmp_path: Pat
     url = {"KVSIDECAR_URL": setup.daemon.url}
     plain = run_example("harness_loop.py", "--token-file", str(token_file), "--script", "C", **url)
     assert plain.returncode == 0, plain.stderr
-    assert re.fullmatch(r"turn 1  session C  outcome cold  computed \d+  reused 0\n", plain.stdout)
+    # cold: no snapshot of C; the slot's leftover KV may give a few tokens of common prefix (issue 28)
+    m = re.fullmatch(r"turn 1  session C  outcome cold  computed (\d+)  reused (\d+)\n", plain.stdout)
+    assert m is not None and int(m[2]) < 0.05 * int(m[1])
     refused = run_example("harness_loop.py", KVSIDECAR_TOKEN="x" * 32, **url)
     assert refused.returncode == 1 and "KV_UNAUTHORIZED" in refused.stderr
 

@@ -61,6 +61,7 @@ def test_a_session_follows_its_kv_through_any_hosts_proxy(fleet: LocalFleet) -> 
     assert second.headers["x-kv-host"] == home
     assert second.headers["x-kv-outcome"] == "resident"
     assert body["timings"]["cache_n"] > 0  # its history was not prefilled again
+    assert "x-kv-fleet-host" not in second.headers  # the peer named itself to this host, not the client
     assert (
         httpx.get(f"{fleet.host(home).daemon.proxy_url}/health", headers=fleet.host(home).auth).status_code
         == 200

@@ -190,3 +190,34 @@ def test_sessionless_request_goes_to_the_aux_slot_of_a_pool(start_llama: StartSe
         assert again.json()["content"] == cold_content(llama, follow)
     finally:
         daemon.stop()
+
+
+# issue 26, item 8 ------------------------------------------------------------------------------------
+
+
+def acquires(setup: Setup) -> int:
+    status = httpx.get(f"{setup.daemon.url}/v1/status", headers=AUTH, timeout=10).json()
+    return int(status["stats"]["acquires"])
+
+
+def test_an_oversized_head_is_refused_before_a_session_is_acquired(setup: Setup) -> None:
+    """500 headers, or one of 60 KB (llama-server, cpp-httplib, takes 100 of at most 8 KiB a line): refused
+    by the proxy in its own shape before the session is acquired or its slot prepared. A head at the
+    proxy's limits is one llama-server takes: forwarded and answered."""
+    proxied(setup, "A", turn_body("A", 200))
+    before = acquires(setup)
+    for extra in ({f"x-h{i}": "v" * 100 for i in range(500)}, {"x-big": "v" * 60_000}):
+        headers = {**AUTH, "X-Session-Id": "A", **extra}
+        r = asyncio.run(raw_request(setup.proxy, "POST", "/completion", headers=headers, body=b"{}"))
+        assert r.status == 431, r.body[:200]
+        assert r.json()["error"]["code"] == "KV_HEADERS_TOO_LARGE"
+    assert acquires(setup) == before  # nothing acquired, nothing restored or evicted for it
+    # at the limits: 64 headers in all, three lines of nearly 8 KB, 32 KB of head
+    full = {f"x-big{i}": "v" * 7900 for i in range(3)} | {f"x-h{i}": "v" * 90 for i in range(56)}
+    body = b'{"prompt": "one two three", "n_predict": 2, "temperature": 0}'
+    headers = {**AUTH, "X-Session-Id": "A", **full}
+    r = asyncio.run(raw_request(setup.proxy, "POST", "/completion", headers=headers, body=body))
+    assert r.status == 200, r.body[:300]
+    assert "content" in r.json()
+    assert acquires(setup) == before + 1
+    assert setup.llama.alive

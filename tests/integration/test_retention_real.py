@@ -55,7 +55,9 @@ async def test_quota_evicts_lru_session_which_then_starts_cold(
         names = {p.name for p in server.save_dir.iterdir()}
         assert len(names) == 1
         outcome, pn, cn = await turn("A")
-        assert outcome is Outcome.COLD and cn == 0 and pn > 500  # clean cold start
+        # a cold start: no snapshot; at most the slot's leftover common prefix (token-exact) is reused,
+        # since a plain cold start keeps the slot's KV (issue 28)
+        assert outcome is Outcome.COLD and cn < 0.05 * pn and pn > 500
         # saving C on that switch pushed usage over again: B (now the LRU) went; C, just saved, stays
         outcome, _, cn = await turn("C")
         assert outcome is Outcome.RESTORED and cn > 500

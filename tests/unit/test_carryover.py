@@ -7,7 +7,11 @@ import io
 import os
 from pathlib import Path
 
+import pytest
+
+from kvsidecar.errors import DirMoved
 from kvsidecar.store.carryover import RowsProof, Verdicts, build_only_difference, rows_match
+from kvsidecar.store.confined import DirAnchor
 from tests.unit.test_state_format import build
 
 OLD = {
@@ -54,17 +58,36 @@ def test_rows_that_differ_are_no_proof() -> None:
 
 
 def test_verdicts_are_remembered_and_a_hostile_record_is_no_verdict(tmp_path: Path) -> None:
-    path = tmp_path / "build-equivalence.json"
-    verdicts = Verdicts(str(path))
+    state = DirAnchor(tmp_path, area="state")
+    path = tmp_path / Verdicts.NAME
+    verdicts = Verdicts(state)
     assert verdicts.get("a", "b") is None
-    path.write_bytes(verdicts.record("a", "b", RowsProof(equal=True, rows=256, detail="")))
-    assert Verdicts(str(path)).get("a", "b") is True
-    assert Verdicts(str(path)).get("b", "a") is None
+    verdicts.record("a", "b", RowsProof(equal=True, rows=256, detail=""))
+    assert Verdicts(state).get("a", "b") is True
+    assert Verdicts(state).get("b", "a") is None
     for hostile in (b"not json", b"[1,2]", b'{"a>b": {"equal": "yes"}}', b"{" + b" " * (2 << 20) + b"}"):
         path.write_bytes(hostile)
-        assert Verdicts(str(path)).get("a", "b") is None
+        assert Verdicts(state).get("a", "b") is None
     path.unlink()
     target = tmp_path / "elsewhere.json"
     target.write_bytes(b'{"a>b": {"equal": true, "rows": 1}}')
     os.symlink(target, path)
-    assert Verdicts(str(path)).get("a", "b") is None  # never read through a link
+    assert Verdicts(state).get("a", "b") is None  # never read through a link
+    path.unlink()
+    os.mkfifo(path)
+    assert Verdicts(state).get("a", "b") is None  # nor a FIFO (and it does not block)
+
+
+def test_verdicts_are_never_written_through_a_moved_state_dir(tmp_path: Path) -> None:
+    real, link = tmp_path / "state", tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real)
+    state = DirAnchor(real, area="state", views=(str(link),))  # as StoreLayout holds a configured link
+    state.hold()
+    verdicts = Verdicts(state)
+    link.unlink()
+    (tmp_path / "other").mkdir()
+    link.symlink_to(tmp_path / "other")
+    with pytest.raises(DirMoved):
+        verdicts.record("a", "b", RowsProof(equal=True, rows=1, detail=""))
+    assert not list((tmp_path / "other").iterdir())

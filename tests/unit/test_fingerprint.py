@@ -31,6 +31,7 @@ from kvsidecar.store.fingerprint import (
     parse_settings,
 )
 from kvsidecar.store.llama_args import BY_NAME, OPTIONS
+from kvsidecar.store.llama_process import MappedFile
 from kvsidecar.testing.llama import free_port
 
 CAPS = BackendCapabilities(
@@ -583,6 +584,7 @@ def test_files_are_read_under_the_process_root(tmp_path: Path) -> None:
     (rootfs / "models" / "m.gguf").write_bytes(b"inside the container")
     (tmp_path / "exe").write_bytes(b"binary")
     caps = BackendCapabilities(**{**CAPS.__dict__, "model_path": "/models/m.gguf"})
+    st = (rootfs / "models" / "m.gguf").stat()
     process = ProcessInfo(
         pid=10,
         create_time=1.0,
@@ -593,8 +595,13 @@ def test_files_are_read_under_the_process_root(tmp_path: Path) -> None:
         root=str(rootfs),
         binary=str(tmp_path / "exe"),  # /proc/<pid>/exe: a path of our own view, not under its root
         libraries=(),
+        mapped_models=(  # the model as its /proc/<pid>/maps shows it: its device and inode
+            MappedFile(
+                path="/models/m.gguf", deleted=False, dev=st.st_dev, ino=st.st_ino, ranges=((0, 4096),)
+            ),
+        ),
     )
     digests = FileDigestCache(tmp_path / "d.json", racy_window_s=0)
     comp = fp(process, caps=caps, digests=digests).components
-    assert comp["model_file"] == file_digest(rootfs / "models" / "m.gguf")[0]
+    assert comp["model_file"] == json.dumps([file_digest(rootfs / "models" / "m.gguf")[0]])
     assert comp["server_binary"] == file_digest(tmp_path / "exe")[0]

@@ -205,11 +205,15 @@ def test_a_record_that_would_send_our_token_elsewhere_is_not_a_host(field: str, 
     assert HostRecord.from_json(json.dumps(data)) is None
 
 
-def test_a_bad_proxy_url_is_dropped_but_the_host_stays() -> None:
+def test_a_bad_proxy_url_refuses_the_whole_record() -> None:
+    """No kvsidecar writes a proxy_url that is not an origin (config check refuses it): a record with one
+    was written by something else, and nothing of it is believed (issue 26, item 7)."""
     data = json.loads(record("a").to_json())
     data["proxy_url"] = "ftp://x/"
+    assert HostRecord.from_json(json.dumps(data)) is None
+    data["proxy_url"] = None
     parsed = HostRecord.from_json(json.dumps(data))
-    assert parsed is not None and parsed.proxy_url is None
+    assert parsed is not None and parsed.proxy_url is None  # no proxy on that host
     data["proxy_url"] = "http://10.0.0.5:8378"
     parsed = HostRecord.from_json(json.dumps(data))
     assert parsed is not None and parsed.proxy_url == "http://10.0.0.5:8378"

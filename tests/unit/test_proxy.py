@@ -30,6 +30,7 @@ class Rig:
     h: Harness
     origin: Origin
     url: str
+    app: Any = None  # the Proxy (its listener state: app.listener)
 
     def client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, headers=AUTH, timeout=10)
@@ -72,7 +73,7 @@ async def rig(
     while not uv.started:
         await asyncio.sleep(0.01)
     try:
-        yield Rig(h, origin, f"http://127.0.0.1:{sock.getsockname()[1]}")
+        yield Rig(h, origin, f"http://127.0.0.1:{sock.getsockname()[1]}", app)
     finally:
         uv.should_exit = True
         await task

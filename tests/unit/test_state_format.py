@@ -25,7 +25,7 @@ from kvsidecar.store.state_format import (
 )
 
 F16, Q8_0, Q4_0 = 1, 8, 2
-FACTS = ModelFacts(arch="llama", head_k=(64,) * 2, head_v=(64,) * 2)
+FACTS = ModelFacts(arch="llama", n_layer=2, head_k=(64,) * 2, head_v=(64,) * 2)
 
 
 def build(
@@ -104,23 +104,34 @@ def test_a_quantized_cache_gets_the_rotations_v3_applied() -> None:
 def test_v3_rotation_rule(
     k_type: int, v_type: int, head: int, disabled: bool, expected: tuple[int, int]
 ) -> None:
-    facts = ModelFacts(arch="llama", head_k=(head,) * 4, head_v=(head,) * 4, rot_disabled=disabled)
+    facts = ModelFacts(arch="llama", n_layer=4, head_k=(head,) * 4, head_v=(head,) * 4, rot_disabled=disabled)
     assert v3_rotations(k_type, v_type, facts) == expected
 
 
 def test_layers_with_different_head_sizes_are_not_rotated_on_k() -> None:
-    facts = ModelFacts(arch="llama", head_k=(128, 256), head_v=(128, 128))
+    facts = ModelFacts(arch="llama", n_layer=2, head_k=(128, 256), head_v=(128, 128))
     assert v3_rotations(Q8_0, Q8_0, facts) == (0, 64)
+
+
+def test_a_quantized_cache_with_unknown_heads_or_environment_is_refused() -> None:
+    assert v3_rotations(F16, F16, ModelFacts(arch="llama", n_layer=2, rot_disabled=None)) == (0, 0)
+    for facts in (
+        ModelFacts(arch="llama", n_layer=2, head_k=(64, 64), head_v=(64, 64), rot_disabled=None),
+        ModelFacts(arch="llama", n_layer=2),
+    ):
+        with pytest.raises(StateFormatError) as e:
+            v3_rotations(Q8_0, F16, facts)
+        assert e.value.code == "STATE_NOT_MECHANICAL"
 
 
 @pytest.mark.parametrize(
     ("facts", "words"),
     [
-        (ModelFacts(arch="qwen2vl", head_k=(64,), head_v=(64,), mrope=True), "M-RoPE"),
-        (ModelFacts(arch="gemma3", head_k=(64,), head_v=(64,), sliding_window=True), "sliding-window"),
-        (ModelFacts(arch="jamba", head_k=(64,), head_v=(64,), recurrent=True), "recurrent"),
-        (ModelFacts(arch="deepseek32", head_k=(64,), head_v=(64,)), "deepseek32"),
-        (ModelFacts(arch="llama", head_k=(), head_v=()), "unknown"),
+        (ModelFacts(arch="qwen2vl", n_layer=2, mrope=True), "M-RoPE"),
+        (ModelFacts(arch="gemma3", n_layer=2, sliding_window=True), "sliding-window"),
+        (ModelFacts(arch="jamba", n_layer=2, recurrent=True), "recurrent"),
+        (ModelFacts(arch="deepseek32", n_layer=2), "deepseek32"),
+        (ModelFacts(arch="llama", n_layer=0), "unknown"),
     ],
 )
 def test_models_whose_step_is_not_mechanical_are_refused(facts: ModelFacts, words: str) -> None:
@@ -190,3 +201,22 @@ def test_m_rope_cells_do_not_parse_as_plain_cells() -> None:
     b += plain[DATA:]
     with pytest.raises(StateFormatError):
         parsed(bytes(b))
+
+
+def test_the_prompt_tokens_are_read_from_llama_servers_packed_state() -> None:
+    """llama-server writes its server-tokens state where the token list goes (seen in both real builds)."""
+    from kvsidecar.store.state_format import text_tokens
+
+    def layout_of(tokens: list[int]) -> StateLayout:
+        return StateLayout(version=4, tokens=tuple(tokens), streams=(), size=0)
+
+    assert text_tokens(layout_of([-1, 1, 3, 1, 15595, 29900, 0])) == (1, 15595, 29900)
+    assert text_tokens(layout_of([1, 2, 3])) == (1, 2, 3)  # a plain list, as older builds wrote
+    for hostile, code in (
+        ([-1, 2, 3, 1, 2, 3, 0], "STATE_BAD_FIELD"),  # another server-tokens version
+        ([-1, 1, 99, 1], "STATE_BAD_FIELD"),  # a count past the end
+        ([-1, 1, 2, 1, 2, 1, 7, 7], "STATE_NOT_MECHANICAL"),  # a media chunk follows
+    ):
+        with pytest.raises(StateFormatError) as e:
+            text_tokens(layout_of(hostile))
+        assert e.value.code == code
