@@ -50,7 +50,7 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, NoReturn
@@ -84,17 +84,38 @@ def _anyone(_: list[tuple[bytes, bytes]]) -> bytes:
     return b""
 
 
-def bearer_credential(expected: bytes | None) -> Credential:
+def token_matches(headers: Mapping[bytes, bytes], expected: bytes, api_key_header: bool = False) -> bool:
+    """The request carries the token: `Authorization` is `expected` (`Bearer <token>`), compared in constant
+    time. With `api_key_header`, `X-Api-Key: <token>` is accepted too, and a request that carries both must
+    carry the token in both (two credentials that disagree are never resolved by picking one)."""
+    auth = headers.get(b"authorization")
+    key = headers.get(b"x-api-key") if api_key_header else None
+    if auth is None and key is None:
+        return False
+    ok = True
+    if auth is not None:
+        ok &= hmac.compare_digest(auth, expected)
+    if key is not None:
+        ok &= hmac.compare_digest(b"Bearer " + key, expected)
+    return ok
+
+
+def bearer_credential(expected: bytes | None, *, api_key_header: bool = False) -> Credential:
     """A listener's slow-body buckets: requests carrying its bearer token (`expected`, the whole
-    `Authorization` value), and everything else (no token configured: one bucket for all)."""
+    `Authorization` value; with `api_key_header`, also `X-Api-Key: <token>`, as the proxy accepts it), and
+    everything else (no token configured: one bucket for all). A request whose credential headers
+    disagree, or that repeats one, is not the token's."""
     if expected is None:
         return _anyone
 
     def credential(headers: list[tuple[bytes, bytes]]) -> bytes:
+        seen: dict[bytes, bytes] = {}
         for name, value in headers:
-            if name == b"authorization" and hmac.compare_digest(value, expected):
-                return b"token"
-        return b""
+            if name == b"authorization" or (api_key_header and name == b"x-api-key"):
+                if name in seen:
+                    return b""
+                seen[name] = value
+        return b"token" if token_matches(seen, expected, api_key_header) else b""
 
     return credential
 

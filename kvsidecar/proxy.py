@@ -18,7 +18,17 @@ can change a slot kvsidecar believes it knows:
 - without one: an auxiliary lease (the reserved aux slot, or a slot whose owner is saved first), with
   `id_slot` set to it whatever the client asked for.
 
-Routes where llama-server ignores `id_slot` (`/v1/messages`, embeddings, rerank, transcriptions, ...)
+`/v1/messages` (Anthropic Messages: Claude Code) is converted (`kvsidecar.proxy_anthropic`): llama-server's
+own route drops `id_slot`, so the proxy builds the very chat completion llama-server would (token for token
+the same prompt), pins it and sends it to `/v1/chat/completions`, and turns the answer back into an
+Anthropic message or event stream (`kvsidecar.proxy_forward`). It does so on every pool size, one slot
+included, so a session's KV is the same whatever `--parallel` is. A request that cannot be converted is an
+Anthropic-shaped 400 before any slot is acquired. `/v1/messages/count_tokens` runs on no slot and passes
+through. `HEAD /` (Claude Code's first request, with no credentials) is answered here, 404 with no body as
+llama-server answers it, and reaches nothing. The proxy's token is accepted as `Authorization: Bearer
+<token>` or `X-Api-Key: <token>` (a request with both must carry it in both); neither is forwarded.
+
+Routes where llama-server ignores `id_slot` (embeddings, rerank, transcriptions, ...)
 are forwarded only to a llama-server with a single slot, which the lease then holds. Requests for more
 than one completion (`n`, `n_cmpl`) are refused: llama-server would run the others on other slots.
 
@@ -46,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import Message, Receive, Scope, Send
 
 from kvsidecar.backend.llama_http import (
+    CONVERTED_TARGET,
     PUBLIC_PATHS,
     RouteKind,
     check_one_completion,
@@ -80,8 +91,17 @@ from kvsidecar.proxy_answers import (
     kv_headers,
     openai_error,
 )
+from kvsidecar.proxy_anthropic import INVALID_FIELD, ConversionError, chat_request_bytes
 from kvsidecar.proxy_conversations import ConversationTable, credential_of
-from kvsidecar.proxy_forward import PEER_HEADER, Forwarder, Outbound, Release, hop_by_hop, lifespan
+from kvsidecar.proxy_forward import (
+    PEER_HEADER,
+    Convert,
+    Forwarder,
+    Outbound,
+    Release,
+    hop_by_hop,
+    lifespan,
+)
 from kvsidecar.router import HOP_HEADER, ClientGone, hop_count, read_body, refuse, watch_disconnect
 from kvsidecar.store.naming import short_id, validate_session_id
 from kvsidecar.upstream import Upstream, UpstreamError, UpstreamTimeout
@@ -182,7 +202,10 @@ class Proxy:
         self.session_header = self.cfg.session_header.lower().encode()
         self.model_in_identity = self.cfg.identity == "session+model"
         self.listener = ListenerState(
-            "proxy", Limits.of(self.cfg), shape=openai_error, credential=bearer_credential(self.expected)
+            "proxy",
+            Limits.of(self.cfg),
+            shape=openai_error,
+            credential=bearer_credential(self.expected, api_key_header=True),
         )
         # fleet mode: the router once it runs (set by the daemon), and a forwarder per peer proxy
         self.fleet: Callable[[], FleetRouter | None] = _no_fleet
@@ -216,10 +239,23 @@ class Proxy:
             await self._refuse(bug, scope, receive, send)
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = classify(scope["method"], scope.get("raw_path") or scope["path"].encode("utf-8"))
-        public = route is not None and route[0] in PUBLIC_PATHS
+        raw_path = scope.get("raw_path") or scope["path"].encode("utf-8")
+        route = classify(scope["method"], raw_path)
+        probe = scope["method"] == "HEAD" and raw_path == b"/"  # Claude Code's first request, no token
+        public = probe or (route is not None and route[0] in PUBLIC_PATHS)
         headers = dict(scope.get("headers", []))
-        refusal = refuse(scope, headers, expected=self.expected, check_host=self.check_host, exempt=public)
+        refusal = refuse(
+            scope,
+            headers,
+            expected=self.expected,
+            check_host=self.check_host,
+            exempt=public,
+            api_key_header=True,
+        )
+        if refusal is None and probe:  # llama-server's answer (404, no body); nothing upstream is asked
+            await send({"type": "http.response.start", "status": 404, "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
         if refusal is None and route is None:
             shown = scope["path"][:80]
             refusal = ProxyForbidden(f"the proxy does not forward {scope['method']} {shown!r}")
@@ -245,7 +281,17 @@ class Proxy:
         except KvError as exc:
             await self._refuse(exc, scope, receive, send)
             return
+        except ConversionError as exc:  # an Anthropic request that cannot be converted: Anthropic's 400
+            self.requests.labels("refused", exc.code).inc()
+            await self._anthropic_answer(send, exc.status, exc.body())
+            return
         await self._on_slot(scope, receive, send, call)
+
+    @staticmethod
+    async def _anthropic_answer(send: Send, status: int, body: bytes) -> None:
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _refuse(self, exc: KvError, scope: Scope, receive: Receive, send: Send) -> None:
         self.requests.labels("refused", exc.code).inc()
@@ -269,6 +315,10 @@ class Proxy:
             if data is None:
                 raise BadRequest(f"{path} needs a JSON object body (the proxy pins it to a slot)")
             check_one_completion(data)
+        if kind is RouteKind.CONVERTED:
+            if data is None:
+                raise ConversionError(INVALID_FIELD, "body: a JSON object", param="body")
+            chat_request_bytes(data)  # raises ConversionError: refused before any slot is acquired
         if session is None and self.cfg.session_field and data is not None:
             field = data.get(self.cfg.session_field)
             session = field if isinstance(field, str) and field else None
@@ -452,11 +502,19 @@ class Proxy:
         release = Release(self.coordinator, lease.lease_id)
         status, timings = "aborted", None
         try:
-            body, pinned = call.body, call.route is RouteKind.PINNED and call.data is not None
-            if pinned:
+            body, pinned = call.body, call.route is not RouteKind.UNPINNED and call.data is not None
+            convert: Convert | None = None
+            cache_prompt = call.session is not None
+            if call.route is RouteKind.CONVERTED and call.data is not None:
+                # an auxiliary request keeps llama-server's default (cache_prompt on), as pin() leaves it
+                body = chat_request_bytes(
+                    call.data, slot_id=lease.slot_id, cache_prompt=True if cache_prompt else None
+                )
+                convert = "stream" if call.data.get("stream") is True else "json"
+            elif pinned:
                 assert call.data is not None
-                body = pin(call.body, call.data, lease.slot_id, cache_prompt=call.session is not None)
-            out = self._outbound(scope, call.path, body, authenticated=True, pinned=pinned)
+                body = pin(call.body, call.data, lease.slot_id, cache_prompt=cache_prompt)
+            out = self._outbound(scope, call.path, body, authenticated=True, pinned=pinned, converted=convert)
             status, timings = await self._forward(
                 scope,
                 out,
@@ -466,6 +524,7 @@ class Proxy:
                 extra=extra,
                 release=release,
                 slot_id=lease.slot_id,
+                convert=convert,
             )
         finally:
             await release(status, timings)  # a no-op when the pump already released at the answer's end
@@ -581,22 +640,35 @@ class Proxy:
         return host_id is not None and router.is_live(host_id)
 
     def _outbound(
-        self, scope: Scope, path: str, body: bytes, *, authenticated: bool, pinned: bool
+        self,
+        scope: Scope,
+        path: str,
+        body: bytes,
+        *,
+        authenticated: bool,
+        pinned: bool,
+        converted: Convert | None = None,
     ) -> Outbound:
         """The request as llama-server gets it: the canonical path; no hop-by-hop headers, session header
-        or our token; llama-server's key only for a client that proved it holds ours."""
+        or our token (in either form: llama-server takes `X-Api-Key` as its own key); llama-server's key
+        only for a client that proved it holds ours. `converted`: an Anthropic request sent as a chat
+        completion (no query string, no `anthropic-*` headers)."""
         drop = hop_by_hop(scope["headers"]) | {self.session_header}
         if self.expected is not None or self.llama_auth is not None:
-            drop.add(b"authorization")
+            drop |= {b"authorization", b"x-api-key"}
         if pinned:  # the body is plain JSON now, whatever the client said it was
             drop |= {b"content-type", b"content-encoding"}
-        headers = [(k, v) for k, v in scope["headers"] if k not in drop]
+        headers = [
+            (k, v)
+            for k, v in scope["headers"]
+            if k not in drop and not (converted is not None and k.startswith(b"anthropic-"))
+        ]
         if pinned:
             headers.append((b"content-type", b"application/json"))
         if self.llama_auth is not None and authenticated and self.expected is not None:
             headers.append((b"authorization", self.llama_auth))
-        target = path
-        if scope.get("query_string"):
+        target = path if converted is None else CONVERTED_TARGET
+        if scope.get("query_string") and converted is None:  # `?beta=true` means nothing to llama-server
             target += "?" + scope["query_string"].decode("latin-1")
         return Outbound(method=scope["method"], path=target, body=body, headers=headers)
 
@@ -611,10 +683,11 @@ class Proxy:
         extra: list[tuple[bytes, bytes]] | None = None,
         release: Release | None = None,
         slot_id: int | None = None,
+        convert: Convert | None = None,
     ) -> tuple[str, dict[str, Any] | None]:
         """Forward, count; returns the lease's release status (ok / error / aborted) and the timings."""
         result, timings = await self.forwarder.forward(
-            scope, out, receive, send, extra=extra, release=release, slot_id=slot_id
+            scope, out, receive, send, extra=extra, release=release, slot_id=slot_id, convert=convert
         )
         self.requests.labels(kind, result or "aborted").inc()
         if result is None:

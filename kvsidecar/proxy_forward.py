@@ -7,6 +7,13 @@ listener (uvicorn) frames the answer itself. llama-server's `Content-Length` is 
 for byte). Its `Server` and `Date` are dropped, as a reverse proxy does (nginx's default): the listener
 sends its own, exactly one of each, on every answer whether llama-server or the proxy made it. Its
 `X-KV-*` headers are dropped too: only the proxy says what happened to the session.
+
+A converted answer (`convert`: an Anthropic Messages request the proxy sent as a pinned chat completion,
+`kvsidecar.proxy_anthropic`) is turned back into Anthropic's shape on the way: a stream event by event
+(`StreamTransducer`, still unbuffered; llama-server's raw chunks still feed `Tail`, whose timings end the
+lease), a JSON answer whole (buffered up to `MAX_CONVERTED_BYTES`, its `Content-Length` recomputed), an
+error answer as an Anthropic error. The converted answer's own framing replaces llama-server's
+`Content-Length`.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from starlette.types import Receive, Scope, Send
 
@@ -25,6 +32,13 @@ from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.errors import BackendUnavailable, KvError, OperationTimeout
 from kvsidecar.logs import event
 from kvsidecar.proxy_answers import error_answer
+from kvsidecar.proxy_anthropic import (
+    ConversionError,
+    anthropic_error,
+    chat_answer_to_message_bytes,
+    error_to_anthropic,
+)
+from kvsidecar.proxy_anthropic_stream import StreamTransducer
 from kvsidecar.upstream import Response, Upstream, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger("kvsidecar.proxy")
@@ -57,6 +71,8 @@ PEER_HEADER = (
 )
 RENEW_EVERY_S = 10.0
 _TAIL_BYTES = 256 * 1024
+MAX_CONVERTED_BYTES = 64 << 20  # a non-streamed (or error) answer converted to Anthropic's shape, whole
+Convert = Literal["stream", "json"]
 
 
 def hop_by_hop(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
@@ -169,13 +185,16 @@ class Forwarder:
         slot_id: int | None = None,
         no_answer: Callable[[UpstreamError], bool] | None = None,
         peer_host: bytes | None = None,
+        convert: Convert | None = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """Stream one request to llama-server and its answer back. Returns (result, timings), result: ok /
         error (llama-server's answer was an HTTP error, or it failed mid-answer) / unavailable / timeout
         (no answer: the proxy answered with an error) / None (the client left first). `no_answer`: asked
         when the upstream gave no answer; True means the caller answers the client itself ("unanswered").
         `peer_host` (fleet mode, another host's proxy): an answer whose `X-KV-Fleet-Host` does not name that
-        host is not a kvsidecar's answer: never passed on, it counts as no answer at all."""
+        host is not a kvsidecar's answer: never passed on, it counts as no answer at all. `convert`: the
+        answer of a converted Anthropic request (see the module docstring); a stream that ended in an
+        error event is an error."""
 
         async def busy() -> bool:
             """Asked after `proxy.upstream_timeout_s` of silence: is llama-server still working on it?"""
@@ -204,6 +223,11 @@ class Forwarder:
                         return "unanswered", None
                     return await self._no_answer(forged, scope, receive, send), None
             tail = Tail()
+            if convert is not None:
+                try:
+                    return await self._converted(response, send, tail, release, extra, convert)
+                finally:
+                    await response.aclose()
             try:
                 await send(
                     {
@@ -238,6 +262,95 @@ class Forwarder:
             err = BackendUnavailable(f"llama-server at {self.upstream.base_url} did not answer: {exc}")
         await error_answer(err)(scope, receive, send)
         return "timeout" if isinstance(exc, UpstreamTimeout) else "unavailable"
+
+    async def _converted(
+        self,
+        response: Response,
+        send: Send,
+        tail: Tail,
+        release: Release | None,
+        extra: list[tuple[bytes, bytes]] | None,
+        convert: Convert,
+    ) -> tuple[str, dict[str, Any] | None]:
+        """A converted answer: (result, timings) as `forward` returns them."""
+        headers = [(k, v) for k, v in answer_headers(response.headers) if k != b"content-length"]
+        headers += extra or []
+        if response.status_code < 400 and convert == "stream":
+            return await self._converted_stream(response, send, tail, release, headers)
+        return await self._converted_whole(response, send, tail, release, headers)
+
+    async def _converted_stream(
+        self,
+        response: Response,
+        send: Send,
+        tail: Tail,
+        release: Release | None,
+        headers: list[tuple[bytes, bytes]],
+    ) -> tuple[str, dict[str, Any] | None]:
+        """A chat completion stream as an Anthropic event stream, event by event."""
+        status = response.status_code
+        transducer = StreamTransducer()
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+
+        async def pass_on(raw: bytes, out: bytes, final: bool) -> None:
+            tail.feed(raw)
+            if release is not None and (final or tail.final_event(raw)):
+                await release("error" if transducer.failed else "ok", tail.timings())
+            if out:
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+
+        try:
+            async for chunk in response.stream():
+                await pass_on(chunk, transducer.feed(chunk), response.finished)
+        except UpstreamError as exc:
+            event(log, logging.WARNING, "kv.proxy.upstream_failed", error=str(exc))
+            return "error", None  # cut, as a raw stream is: the client never takes it for whole
+        await pass_on(b"", transducer.close(), True)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return ("error" if transducer.failed else "ok"), tail.timings()
+
+    async def _converted_whole(
+        self,
+        response: Response,
+        send: Send,
+        tail: Tail,
+        release: Release | None,
+        headers: list[tuple[bytes, bytes]],
+    ) -> tuple[str, dict[str, Any] | None]:
+        """A whole chat completion (or error) answer as an Anthropic message (or error), buffered."""
+        status = response.status_code
+        body, result = bytearray(), "ok" if status < 400 else "error"
+        try:
+            async for chunk in response.stream():
+                tail.feed(chunk)
+                body += chunk
+                if len(body) > MAX_CONVERTED_BYTES:
+                    break
+        except UpstreamError as exc:
+            event(log, logging.WARNING, "kv.proxy.upstream_failed", error=str(exc))
+            status, result = 502, "error"
+            out = anthropic_error(502, f"llama-server failed while answering: {exc}")
+        else:
+            if len(body) > MAX_CONVERTED_BYTES:
+                status, result = 502, "error"
+                out = anthropic_error(502, f"llama-server's answer is over {MAX_CONVERTED_BYTES} bytes")
+            elif status >= 400:
+                out = error_to_anthropic(status, bytes(body))
+            else:
+                try:
+                    out = chat_answer_to_message_bytes(bytes(body))
+                except ConversionError as exc:
+                    status, result, out = exc.status, "error", exc.body()
+        timings = tail.timings()
+        if release is not None:
+            await release(result, timings)
+        if status >= 400:  # an answer of ours now, whatever llama-server said it was
+            headers = [(k, v) for k, v in headers if k != b"content-type"]
+            headers.append((b"content-type", b"application/json"))
+        headers.append((b"content-length", str(len(out)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": out, "more_body": False})
+        return result, timings
 
     async def _pump(self, response: Response, send: Send, tail: Tail, release: Release | None) -> bool:
         """Forward the body; False when llama-server failed mid-answer (the client connection is then closed

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import ipaddress
 import json
 import logging
@@ -67,6 +66,7 @@ from kvsidecar.errors import (
     Unauthorized,
     http_status,
 )
+from kvsidecar.listener import token_matches
 from kvsidecar.openapi import document
 
 log = logging.getLogger("kvsidecar.api")
@@ -122,12 +122,15 @@ def refuse(
     expected: bytes | None,
     check_host: bool,
     exempt: bool | None = None,
+    api_key_header: bool = False,
 ) -> KvError | None:
     """The checks every listener makes before reading a request: one of each credential header and at most
     one Host (a second one is read differently by each parser on the way: never guessed at), loopback Host,
     bearer token.
 
-    `exempt`: the route needs no token (default: the path is our `/healthz`)."""
+    `exempt`: the route needs no token (default: the path is our `/healthz`). `api_key_header` (the proxy):
+    the token may also come as `X-Api-Key: <token>` (Anthropic's SDKs, `ANTHROPIC_API_KEY`); see
+    `token_matches`."""
     counts: dict[bytes, int] = {}
     for name, _ in scope.get("headers", ()):
         if name in _ONCE:
@@ -141,11 +144,7 @@ def refuse(
         return BadRequest("Host header must name a loopback address", hint="DNS rebinding guard")
     if exempt is None:
         exempt = scope.get("path") == "/healthz"  # liveness probe
-    if (
-        expected is not None
-        and not exempt
-        and not hmac.compare_digest(headers.get(b"authorization", b""), expected)
-    ):
+    if expected is not None and not exempt and not token_matches(headers, expected, api_key_header):
         return Unauthorized("missing or wrong bearer token")
     return None
 

@@ -23,6 +23,9 @@ class RouteKind(Enum):
     INFO = "info"  # runs on no slot
     PINNED = "pinned"  # runs on the slot the JSON body's `id_slot` names
     UNPINNED = "unpinned"  # runs on a slot llama-server picks itself (it ignores `id_slot`)
+    # an Anthropic Messages request: the proxy converts it to a chat completion it pins itself
+    # (`kvsidecar.proxy_anthropic`), since llama-server's own conversion drops `id_slot`
+    CONVERTED = "converted"
 
 
 _READ = frozenset({"GET", "HEAD"})
@@ -60,9 +63,9 @@ ROUTES: dict[str, tuple[frozenset[str], RouteKind]] = {
         ),
         (_POST, RouteKind.PINNED),
     ),
+    "/v1/messages": (_POST, RouteKind.CONVERTED),
     **dict.fromkeys(
         (
-            "/v1/messages",  # converted to a chat completion without the client's id_slot
             "/embedding",
             "/embeddings",
             "/v1/embeddings",
@@ -78,6 +81,7 @@ ROUTES: dict[str, tuple[frozenset[str], RouteKind]] = {
     ),
 }
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})  # llama-server answers these without its API key
+CONVERTED_TARGET = "/v1/chat/completions"  # where a CONVERTED request goes, pinned
 # Request headers that change what llama-server does with a slot: with `X-Conversation-Id` it keeps
 # generating after its client left (stream replay), so the slot would stay busy after the lease ended.
 SLOT_HEADERS = frozenset({b"x-conversation-id"})

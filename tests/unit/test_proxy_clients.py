@@ -46,7 +46,12 @@ async def with_engine(tmp_path: Path, **kw: Any) -> AsyncIterator[tuple[Rig, Fak
     async def answer(request: Request) -> tuple[int, bytes, tuple[tuple[str, str], ...]]:
         data = request.json()
         prompt_n, cache_n = fake[0].infer(data.get("id_slot", 0), render(data))
-        body = {"content": "ok", "timings": {"prompt_n": prompt_n, "cache_n": cache_n}}
+        body = {
+            "content": "ok",
+            # a chat completion's shape too: the proxy converts Claude Code's requests to one (issue 28)
+            "choices": [{"message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+            "timings": {"prompt_n": prompt_n, "cache_n": cache_n},
+        }
         return 200, json.dumps(body).encode(), (("content-type", "application/json"),)
 
     async for each in rig(tmp_path, keep_alive_origin(answer), **kw):
