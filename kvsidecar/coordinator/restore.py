@@ -20,6 +20,7 @@ import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+from kvsidecar.backend.base import RestoreResult
 from kvsidecar.config import Config
 from kvsidecar.coordinator.breaker import BreakerState
 from kvsidecar.coordinator.carry import CARRIED, CarryOver
@@ -218,16 +219,7 @@ class Restorer:
         self.sessions.apply(rt, SessionEvent.RESTORE_BEGIN)
         epoch = srv.epoch
         try:
-            # llama-server reads <its --slot-save-path>/<name> by path: right before, that path (and the
-            # configured one) must still lead to the held directory and the name to the verified file.
-            self.store.check_before_restore(candidate, llama_save_dir(srv.process))
-            restored = await self.guard.persist(
-                srv, srv.backend.restore_slot(slot.id, candidate.record.filename)
-            )
-            if restored.tokens != candidate.record.tokens:
-                raise RestoreFailed(
-                    f"server restored {restored.tokens} tokens, the snapshot has {candidate.record.tokens}"
-                )
+            restored = await self._restore_call(srv, slot, candidate)
         except asyncio.CancelledError:
             self.sessions.apply(rt, SessionEvent.RESTORE_FAILED)
             raise
@@ -263,6 +255,18 @@ class Restorer:
         )
         self.store.touch(rt.key, persist=False)
         return True
+
+    async def _restore_call(self, srv: ServerRuntime, slot: Slot, candidate: Candidate) -> RestoreResult:
+        """Hand a verified candidate to llama-server. It reads <its --slot-save-path>/<name> by path: right
+        before, that path (and the configured one) must still lead to the held directory and the name to the
+        verified file; it must restore exactly the snapshot's tokens (RestoreFailed otherwise)."""
+        self.store.check_before_restore(candidate, llama_save_dir(srv.process))
+        restored = await self.guard.persist(srv, srv.backend.restore_slot(slot.id, candidate.record.filename))
+        if restored.tokens != candidate.record.tokens:
+            raise RestoreFailed(
+                f"server restored {restored.tokens} tokens, the snapshot has {candidate.record.tokens}"
+            )
+        return restored
 
     async def _confirmed(
         self,
@@ -384,14 +388,7 @@ class Restorer:
             return "none", None
         epoch = srv.epoch
         try:
-            self.store.check_before_restore(candidate, llama_save_dir(srv.process))
-            restored = await self.guard.persist(
-                srv, srv.backend.restore_slot(slot.id, candidate.record.filename)
-            )
-            if restored.tokens != candidate.record.tokens:
-                raise RestoreFailed(
-                    f"server restored {restored.tokens} tokens, the snapshot has {candidate.record.tokens}"
-                )
+            restored = await self._restore_call(srv, slot, candidate)
         except KvError as exc:
             if not isinstance(exc, RestoreFailed):
                 self.guard.breaker_failure(srv, exc)

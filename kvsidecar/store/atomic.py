@@ -29,18 +29,23 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _write_and_close(fd: int, data: bytes, durable: bool) -> None:
+    """Write all of `data` (fsynced when `durable`), then close `fd` whatever happened."""
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path: Path, data: bytes, *, mode: int = 0o600, durable: bool = True) -> None:
     tmp = path.with_name(f".{path.name}{TEMP_MARK}{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_and_close(fd, data, durable)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -59,14 +64,7 @@ def atomic_write_at(dfd: int, name: str, data: bytes, *, mode: int = 0o600, dura
     tmp = f".{name}{TEMP_MARK}{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
     try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_and_close(fd, data, durable)
         os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
     except BaseException:
         with contextlib.suppress(OSError):
