@@ -19,6 +19,7 @@ from starlette.types import ASGIApp
 
 from kvsidecar import __version__, api_models
 from kvsidecar.client_wire import segment
+from kvsidecar.config import is_loopback
 from kvsidecar.coordinator.core import Coordinator, EventType, ReleaseStatus
 from kvsidecar.doctor import Doctor
 from kvsidecar.errors import (
@@ -50,7 +51,6 @@ from kvsidecar.router import (
     Route,
     Router,
     error_response,
-    is_loopback,
     read_body,
     refuse,
 )
@@ -454,5 +454,5 @@ async def _doctor(coordinator: Coordinator, *, deep: bool) -> dict[str, Any]:
             snapshot_anchor=coordinator.store.snapshot_anchor(name),  # the directory the daemon holds
         )
         reports.append((await doc.run(deep=deep)).to_dict())
-    order = ["READY", "DEGRADED", "NOT READY"]
+    order = list(api_models.VERDICT_ORDER)
     return {"result": max((r["result"] for r in reports), key=order.index), "servers": reports}

@@ -272,6 +272,7 @@ class StatusResponse(BaseModel):
 
 # -- doctor and gc -----------------------------------------------------------------------------------------
 Verdict = Literal["READY", "DEGRADED", "NOT READY"]
+VERDICT_ORDER: tuple[Verdict, ...] = ("READY", "DEGRADED", "NOT READY")  # the worst server's is the answer
 
 
 class DoctorCheck(BaseModel):

@@ -24,6 +24,7 @@ from typing import Any, TypeAlias
 import httpx
 
 from kvsidecar import __version__
+from kvsidecar.api_models import VERDICT_ORDER
 from kvsidecar.cli_config import add_config_commands, config_arg
 from kvsidecar.cli_fleet import add_fleet_commands
 from kvsidecar.cli_systemd import add_install_systemd
@@ -208,7 +209,7 @@ def _offline_doctor(config: Config, deep: bool) -> dict[str, Any]:
                 )
             finally:
                 await backend.aclose()
-        order = ["READY", "DEGRADED", "NOT READY"]
+        order = list(VERDICT_ORDER)
         return {"result": max((r["result"] for r in reports), key=order.index), "servers": reports}
 
     return asyncio.run(run())

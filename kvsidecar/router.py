@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
 import re
@@ -53,6 +52,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from kvsidecar.config import is_loopback
 from kvsidecar.coordinator.caller import Caller, deadline_from_budget
 from kvsidecar.errors import (
     BadRequest,
@@ -147,16 +147,6 @@ def refuse(
     if expected is not None and not exempt and not token_matches(headers, expected, api_key_header):
         return Unauthorized("missing or wrong bearer token")
     return None
-
-
-def is_loopback(host: str) -> bool:
-    """A loopback host name or address (no port)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 _ONCE = frozenset({b"host", b"authorization", b"x-api-key"})

@@ -55,6 +55,7 @@ _O_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 class _Proven:
     equal: bool
     version: int | None  # the state format the new build writes, when the proof ran now
+    detail: str = "remembered verdict"
 
 
 class CarryOver:
@@ -66,7 +67,9 @@ class CarryOver:
         self.guard = guard
         self.telemetry = telemetry
         self._verdicts: Verdicts | None = None
-        self._versions: dict[str, int] = {}  # state format each server's build writes, learned by a proof
+        # state format each build writes (by runtime fingerprint digest), learned by a proof: never by server
+        # name, which outlives a build, nor from the store's last observed save (maybe the old build's)
+        self._versions: dict[str, int] = {}
 
     def _table(self) -> Verdicts:
         if self._verdicts is None:
@@ -107,6 +110,10 @@ class CarryOver:
             except KvError as exc:
                 self.telemetry.carry_over(srv.name, rt, "failed", exc.message)
                 return exc.code
+            except OSError as exc:  # a full disk, a name taken or gone: this session is cold, no more
+                why = f"{type(exc).__name__}: {exc.strerror or exc}"
+                self.telemetry.carry_over(srv.name, rt, "failed", why)
+                return "CARRY_OVER_FAILED"
         return "nothing to carry over"
 
     async def _carry(
@@ -118,13 +125,16 @@ class CarryOver:
         fp: RuntimeFingerprint,
     ) -> str | None:
         table = self._table()
-        verdict = table.get(rec.fingerprint, fp.digest)
-        version = self._versions.get(srv.name) or self.store.observed_format_version(srv.name)
-        if verdict is None or version is None:
-            proven = await self._prove(srv, slot, rec)
-            verdict, version = proven.equal, proven.version
+        # A verdict from a proof over fewer rows than this snapshot offers does not serve it: prove again.
+        verdict = table.get(rec.fingerprint, fp.digest, min_rows=min(ROWS_TO_PROVE, rec.tokens))
+        version = self._versions.get(fp.digest)
+        detail = "remembered verdict"
+        if verdict is not True or version is None:
+            proven = await self._prove(srv, slot, rec, fp)
+            verdict, version, detail = proven.equal, proven.version, proven.detail
         if not verdict:
-            self.telemetry.carry_over(srv.name, rt, "different", "the new build computes other KV")
+            why = f"the new build computes other KV ({detail})"
+            self.telemetry.carry_over(srv.name, rt, "different", why)
             return "KV_MATH_CHANGED"
         if version is None:
             return "STATE_FORMAT_UNKNOWN"
@@ -134,10 +144,12 @@ class CarryOver:
         self.telemetry.carry_over(srv.name, rt, how, f"v{rec.format_version} -> v{version}")
         return None
 
-    async def _prove(self, srv: ServerRuntime, slot: Slot, rec: GenerationRecord) -> _Proven:
+    async def _prove(
+        self, srv: ServerRuntime, slot: Slot, rec: GenerationRecord, fp: RuntimeFingerprint
+    ) -> _Proven:
         """Recompute the snapshot's first rows under the new build and compare them byte for byte."""
         d = self.store.layout.snap[srv.name]
-        tokens = await asyncio.to_thread(self._first_tokens, srv.name, rec.filename)
+        tokens = await asyncio.to_thread(self._first_tokens, srv.name, rec)
         name = canary_name()  # a canary-pattern name: a crash leaves it to the canary sweep
         theirs = llama_save_dir(srv.process)
         backend = srv.backend
@@ -154,18 +166,26 @@ class CarryOver:
             await asyncio.to_thread(self._remove, srv.name, name)
             with contextlib.suppress(Exception):
                 await backend.erase_slot(slot.id)
-        fp = srv.fingerprint
-        if fp is not None and proof.rows > 0:
+        now = srv.fingerprint
+        if now is None or now.digest != fp.digest:  # the server changed under the proof: it proves nothing
+            raise SaveFailed("llama-server changed during the carry-over proof; nothing recorded")
+        # Only "equal" is kept for the pair. Rows that differ may be this snapshot's own: positions that
+        # llama-server decoded one token at a time (a short first prompt, then its answer) are not
+        # bit-identical to the same positions prefilled in one batch, under any build. That leaves this
+        # session cold, no other.
+        if proof.equal and proof.rows > 0:
             await asyncio.to_thread(self._table().record, rec.fingerprint, fp.digest, proof)
         if version is not None:
-            self._versions[srv.name] = version
-        return _Proven(equal=proof.equal, version=version)
+            self._versions[fp.digest] = version
+        return _Proven(equal=proof.equal, version=version, detail=proof.detail)
 
-    def _first_tokens(self, server: str, filename: str) -> list[int]:
+    def _first_tokens(self, server: str, rec: GenerationRecord) -> list[int]:
         with (
-            self.store.layout.snap[server].open_file(filename) as (fd, _st),
+            self.store.layout.snap[server].open_file(rec.filename) as (fd, st),
             os.fdopen(os.dup(fd), "rb") as f,
         ):
+            # A file damaged since its save proves nothing: its verdict would serve every other snapshot.
+            _check_source(fd, st, rec)
             try:
                 layout = parse(f)
                 tokens = text_tokens(layout)

@@ -37,11 +37,6 @@ class RuntimeGuard:
         self.telemetry = telemetry
         self.exits = ExitWatch(telemetry=telemetry)  # how a local process ended, and crash loops
 
-    async def probe_loop(self, srv: ServerRuntime) -> None:
-        while True:
-            await asyncio.sleep(srv.config.probe_interval_s)
-            await self.refresh(srv)
-
     async def refresh(
         self, srv: ServerRuntime, *, slot: Slot | None = None, force: bool = False
     ) -> RefreshResult:

