@@ -680,6 +680,12 @@ def section_fleet(d: dict[str, Any]) -> list[str]:
     return section(d)
 
 
+def section_clients(d: dict[str, Any]) -> list[str]:
+    from bench_clients import section  # bench/ is on sys.path when this script runs
+
+    return section(d)
+
+
 def notes(name: str) -> list[str]:
     """The hand-written analysis of a section (bench/notes/<name>.md), kept beside the generated tables."""
     path = ROOT / "bench" / "notes" / f"{name}.md"
@@ -708,6 +714,7 @@ def render() -> str:
         ("rss", section_rss, "rss"),
         ("agent", section_agent, "agent"),
         ("fleet", section_fleet, "fleet"),
+        ("clients", section_clients, "clients"),
     )
     for name, fn, note in sections:
         data = load(name)
