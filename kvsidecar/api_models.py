@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
 from kvsidecar.config import Mode
@@ -147,6 +147,9 @@ class ModelIdentityView(BaseModel):
 
 
 class RuntimeView(BaseModel):
+    # `model_identity` is a field, not pydantic's `model_` namespace (older pydantic warns otherwise)
+    model_config = ConfigDict(protected_namespaces=())
+
     identity: str
     canary: str
     canary_failures: int
