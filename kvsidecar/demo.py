@@ -163,7 +163,7 @@ async def run(work: Path, tokens_a: int, tokens_b: int) -> list[Row]:
     try:
         await turn("1", "A", "first request: cold prefill")
         await turn("2", "A", "resident: nothing to do")
-        await turn("3", "B", "switch: A saved, slot erased")
+        await turn("3", "B", "switch: A saved, B cold on its KV")
         await turn("4", "A", "switch back: A restored from disk")
         daemon.stop()
         daemon.start()
