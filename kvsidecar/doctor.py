@@ -25,9 +25,9 @@ from kvsidecar.savepath import llama_save_dir
 from kvsidecar.store.atomic import atomic_write_bytes
 from kvsidecar.store.confined import DIR_MOVED, DirAnchor, lstat_at
 from kvsidecar.store.fingerprint import ProcessInfo, find_llama_process, model_proof
+from kvsidecar.store.integrity import header_from_fd
 from kvsidecar.store.llama_exit import crash_hint, recent_crashes, unit_of
 from kvsidecar.store.state_format import KNOWN_VERSIONS as STATE_VERSIONS
-from kvsidecar.store.state_format import MAGIC as STATE_MAGIC
 
 Status = Literal["OK", "WARN", "FAIL", "SKIP"]
 # Runs `fn(slot_id)` while the slot is held exclusively (in the daemon: an auxiliary lease).
@@ -473,11 +473,9 @@ def _probe_version(anchor: DirAnchor, name: str) -> int | None:
     with contextlib.suppress(OSError, KvError, ValueError), anchor.fd() as dfd:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
         try:
-            head = os.read(fd, 8)
+            return header_from_fd(fd, name).version
         finally:
             os.close(fd)
-        if len(head) == 8 and int.from_bytes(head[:4], "little") == STATE_MAGIC:
-            return int.from_bytes(head[4:], "little")
     return None
 
 

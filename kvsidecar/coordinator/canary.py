@@ -60,24 +60,26 @@ async def measure_canary(
     await backend.erase_slot(slot_id)
     try:
         await backend.prefill(slot_id, CANARY_PROMPT)
-        await asyncio.to_thread(_check_free, anchor, name, theirs)
+        await asyncio.to_thread(check_free, anchor, name, theirs)
         saved = await backend.save_slot(slot_id, name)
         anchor.ensure(theirs)  # the path led elsewhere during the save: what the server wrote is not ours
         if saved.tokens <= 0:
             raise SaveFailed("the runtime canary saved no tokens")
         digest = await asyncio.to_thread(_hash_at, anchor, name)
     finally:
-        await asyncio.to_thread(_remove_at, anchor, name)
+        await asyncio.to_thread(remove_at, anchor, name)
         with contextlib.suppress(Exception):
             await backend.erase_slot(slot_id)
     return digest
 
 
-def _check_free(anchor: DirAnchor, name: str, theirs: str | None) -> None:
+def check_free(anchor: DirAnchor, name: str, theirs: str | None) -> None:
+    """Right before llama-server saves `name` by path: the path leads to the held directory and nothing is
+    at the name (SaveFailed otherwise). For the canary and the carry-over proof (coordinator/carry.py)."""
     anchor.ensure(theirs)
     with anchor.fd() as dfd:
         if lstat_at(name, dfd) is not None:
-            raise SaveFailed(f"runtime canary name {name} is taken in {anchor.path}; not saved")
+            raise SaveFailed(f"file name {name} is taken in {anchor.path}; not saved")
 
 
 def _hash_at(anchor: DirAnchor, name: str) -> str:
@@ -128,7 +130,7 @@ def hash_canary_file(path: Path) -> str:
     return _hash_fd(fd, path.name)
 
 
-def _remove_at(anchor: DirAnchor, name: str) -> None:
+def remove_at(anchor: DirAnchor, name: str) -> None:
     """Unlink a canary file in the held directory (a link planted there is removed itself, its target
     is never touched; nothing is reached through the directory's path)."""
     if not CANARY_FILE.match(name):

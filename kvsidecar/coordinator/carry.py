@@ -29,7 +29,7 @@ from typing import BinaryIO
 
 from kvsidecar.backend.base import SaveResult
 from kvsidecar.config import Config
-from kvsidecar.coordinator.canary import canary_name
+from kvsidecar.coordinator.canary import canary_name, check_free, remove_at
 from kvsidecar.coordinator.runtime import RuntimeGuard
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.state import SessionRuntime, Slot
@@ -38,7 +38,6 @@ from kvsidecar.errors import KvError, SaveFailed, SnapshotCorrupt
 from kvsidecar.gguf_meta import GgufError, read_metadata, sliding_window
 from kvsidecar.savepath import llama_save_dir
 from kvsidecar.store.carryover import ROWS_TO_PROVE, RowsProof, Verdicts, build_only_difference, rows_match
-from kvsidecar.store.confined import lstat_at
 from kvsidecar.store.fingerprint import RuntimeFingerprint
 from kvsidecar.store.integrity import checksum_from_fd
 from kvsidecar.store.manifest import GenerationRecord
@@ -156,14 +155,14 @@ class CarryOver:
         try:
             await self.guard.persist(srv, backend.erase_slot(slot.id))
             await self.guard.persist(srv, backend.prefill(slot.id, tokens))
-            await asyncio.to_thread(self._check_free, srv.name, name, theirs)
+            await asyncio.to_thread(check_free, d.anchor, name, theirs)
             saved = await self.guard.persist(srv, backend.save_slot(slot.id, name))
             d.anchor.ensure(theirs)
             if saved.tokens <= 0:
                 raise SaveFailed("the carry-over proof saved no tokens")
             proof, version = await asyncio.to_thread(self._compare, srv.name, rec.filename, name)
         finally:
-            await asyncio.to_thread(self._remove, srv.name, name)
+            await asyncio.to_thread(remove_at, d.anchor, name)
             with contextlib.suppress(Exception):
                 await backend.erase_slot(slot.id)
         now = srv.fingerprint
@@ -198,13 +197,6 @@ class CarryOver:
             raise SaveFailed("the old snapshot holds no tokens to prove")
         return list(tokens[:n])
 
-    def _check_free(self, server: str, name: str, theirs: str | None) -> None:
-        d = self.store.layout.snap[server]
-        d.anchor.ensure(theirs)
-        with d.anchor.fd() as dfd:
-            if lstat_at(name, dfd) is not None:
-                raise SaveFailed(f"proof file name {name} is taken; not saved")
-
     def _compare(self, server: str, old: str, new: str) -> tuple[RowsProof, int | None]:
         anchor = self.store.layout.snap[server].anchor
         with anchor.fd() as dfd:
@@ -220,12 +212,6 @@ class CarryOver:
             except StateFormatError:
                 version = None
         return proof, version
-
-    def _remove(self, server: str, name: str) -> None:
-        anchor = self.store.layout.snap[server].anchor
-        with contextlib.suppress(OSError, KvError), anchor.fd() as dfd:
-            if lstat_at(name, dfd) is not None:
-                os.unlink(name, dir_fd=dfd)
 
     def _facts(self, srv: ServerRuntime) -> ModelFacts | None:
         """The model facts the v3 -> v4 step needs, from the GGUF the process loaded (its first shard)."""

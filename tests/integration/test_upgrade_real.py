@@ -45,6 +45,21 @@ def _previous_server(previous_bin: Path, tiny_model: Path, tmp_path: Path) -> Ll
     ).start()
 
 
+def _upgrade(server: LlamaServer, binary: Path, *extra_args: str) -> None:
+    """The upgrade: the same model, flags (plus `extra_args`), port and directory under another binary."""
+    server.stop()
+    server.binary = binary
+    server.extra_args = (*server.extra_args, *extra_args)
+    server.start()
+
+
+def _carried(h: RealHarness, result: str) -> float | None:
+    """How many carry-overs ended in `result` (kvsidecar_carry_over_total)."""
+    return h.coordinator.telemetry.metrics.registry.get_sample_value(
+        "kvsidecar_carry_over_total", {"server": "local", "result": result}
+    )
+
+
 async def _next_turn(h: RealHarness, session: str) -> tuple[str | None, Outcome, int, str, str]:
     """The session's next turn: (reason, outcome, tokens reused, warm text, cold text on the same server)."""
     n = h.turns.get(session, 0) + 1
@@ -70,9 +85,7 @@ async def test_a_session_saved_before_the_upgrade_comes_back_restored(
         await h.turn("B")  # A saved under 11401 (v3)
         manifests = list((tmp_path / "state" / "manifests").iterdir())
         assert manifests
-        server.stop()
-        server.binary = llama_bin  # the upgrade: same model, flags, port and directory
-        server.start()
+        _upgrade(server, llama_bin)
         h.calls()
         reason, outcome, reused, warm, cold = await _next_turn(h, "A")
         calls = h.calls()
@@ -82,12 +95,7 @@ async def test_a_session_saved_before_the_upgrade_comes_back_restored(
         assert warm == cold
         verdicts = json.loads((tmp_path / "state" / Verdicts.NAME).read_text())
         assert [v["equal"] for v in verdicts.values()] == [True]
-        assert (
-            h.coordinator.telemetry.metrics.registry.get_sample_value(
-                "kvsidecar_carry_over_total", {"server": "local", "result": "converted"}
-            )
-            == 1
-        )
+        assert _carried(h, "converted") == 1
     finally:
         await h.coordinator.aclose()
         server.stop()
@@ -101,21 +109,13 @@ async def test_a_flag_that_changes_the_kv_under_the_new_build_is_refused(
     try:
         await h.turn("A")
         await h.turn("B")
-        server.stop()
-        server.binary = llama_bin
-        server.extra_args = (*server.extra_args, "--rope-freq-base", "5000")  # other KV
-        server.start()
+        _upgrade(server, llama_bin, "--rope-freq-base", "5000")  # other KV
         h.calls()
         reason, outcome, _reused, warm, cold = await _next_turn(h, "A")
         assert outcome is Outcome.COLD_FALLBACK and reason != CARRIED
         assert "restore" not in h.calls()
         assert warm == cold
-        assert (
-            h.coordinator.telemetry.metrics.registry.get_sample_value(
-                "kvsidecar_carry_over_total", {"server": "local", "result": "refused"}
-            )
-            == 1
-        )
+        assert _carried(h, "refused") == 1
     finally:
         await h.coordinator.aclose()
         server.stop()
@@ -159,12 +159,6 @@ async def _short_turn(h: RealHarness, session: str, n_words: int, n_predict: int
         cached_tokens=t["cache_n"],
         prompt_ms=t["prompt_ms"],
     )
-
-
-def _upgrade(server: LlamaServer, binary: Path) -> None:
-    server.stop()
-    server.binary = binary
-    server.start()
 
 
 def _files(tmp_path: Path) -> set[Path]:
@@ -219,13 +213,7 @@ async def test_a_session_whose_own_rows_differ_leaves_the_others_carried(
         reason, outcome, _reused, warm, cold = await _next_turn(h, "A")
         assert outcome is Outcome.RESTORED and reason == CARRIED, (outcome, reason)
         assert warm == cold
-        registry = h.coordinator.telemetry.metrics.registry
-        assert (
-            registry.get_sample_value(
-                "kvsidecar_carry_over_total", {"server": "local", "result": "different"}
-            )
-            == 1
-        )
+        assert _carried(h, "different") == 1
     finally:
         await h.coordinator.aclose()
         server.stop()
