@@ -38,10 +38,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import summary, write
 
+from kvsidecar.proxy.upstream import Upstream
 from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import LlamaServer, free_port, llama_server_binary, vocab_dir, words
 from kvsidecar.testing.models import TINY, ModelShape, gemma3_270m, generate_llama_model
-from kvsidecar.upstream import Upstream
 
 TOKEN = "bench-proxy-token-0123456789"
 

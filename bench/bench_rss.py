@@ -18,7 +18,7 @@ CHILD = r"""
 import asyncio, sys, psutil
 from pathlib import Path
 from kvsidecar.config import config_from_mapping
-from kvsidecar.service import Daemon
+from kvsidecar.daemon.service import Daemon
 root = Path(sys.argv[1])
 cfg = config_from_mapping({"state_dir": str(root / "state"), "logging": {"level": "error"},
     "servers": {"local": {"base_url": "http://127.0.0.1:9", "snapshot_dir": str(root / "snaps")}}})

@@ -405,7 +405,7 @@ def section_proxy(r: dict[str, Any]) -> list[str]:
         "these 2 cores is taken from llama-server's own generation threads: the stream ends "
         f"{man.get('stream_end', 0):.1f} ms later than direct over 64 tokens.",
         "",
-        "The upstream hop is kvsidecar's own HTTP/1.1 client (kvsidecar/upstream.py: an asyncio protocol "
+        "The upstream hop is kvsidecar's own HTTP/1.1 client (kvsidecar/proxy/upstream.py: an asyncio protocol "
         "with the httptools parser uvicorn already brings, kept-alive connections, one write per request); "
         "managed request bodies get `id_slot` and `cache_prompt` spliced in rather than re-encoded.",
         "",

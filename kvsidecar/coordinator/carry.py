@@ -35,10 +35,10 @@ from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.state import SessionRuntime, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import KvError, SaveFailed, SnapshotCorrupt
-from kvsidecar.gguf_meta import GgufError, read_metadata, sliding_window
-from kvsidecar.savepath import llama_save_dir
+from kvsidecar.fingerprint.gguf_meta import GgufError, read_metadata, sliding_window
+from kvsidecar.fingerprint.runtime import RuntimeFingerprint
+from kvsidecar.fingerprint.savepath import llama_save_dir
 from kvsidecar.store.carryover import ROWS_TO_PROVE, RowsProof, Verdicts, build_only_difference, rows_match
-from kvsidecar.store.fingerprint import RuntimeFingerprint
 from kvsidecar.store.integrity import checksum_from_fd
 from kvsidecar.store.manifest import GenerationRecord
 from kvsidecar.store.snapshots import Rejection, SnapshotStore

@@ -50,10 +50,10 @@ from kvsidecar.coordinator.sessions import SessionEvent, SessionTable, track_con
 from kvsidecar.coordinator.state import HOOK_SCOPE, AcquireResult, Lease, Outcome, SessionRuntime, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import KvError, LeaseNotFound, NotFound, SlotBusy
+from kvsidecar.fingerprint.runtime import FileDigestCache, ProcessInfo
+from kvsidecar.fingerprint.savepath import llama_save_dir
 from kvsidecar.metrics import Metrics
-from kvsidecar.savepath import llama_save_dir
 from kvsidecar.store.atomic import SHARED_TEMP_AGE_S
-from kvsidecar.store.fingerprint import FileDigestCache, ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity, validate_label, validate_session_id
 from kvsidecar.store.snapshots import SnapshotStore
 

@@ -2,7 +2,7 @@
 
 `ExitWatch.note()` runs after every probe. When the process the last probe found is gone (another process
 serves now, or nothing answers and it is not running), it asks the host how it ended
-(`store/llama_exit.py`, in a thread: the kernel log and the unit's journal) and tells telemetry once per
+(`fingerprint/llama_exit.py`, in a thread: the kernel log and the unit's journal) and tells telemetry once per
 process: a warning with the signal, and an error with what to do when the same crash signal (SIGILL,
 SIGSEGV, ...) ended it twice within ten minutes, which is what a build this CPU cannot run looks like.
 """
@@ -14,8 +14,8 @@ import contextlib
 
 from kvsidecar.coordinator.server import ServerRuntime, process_alive
 from kvsidecar.coordinator.telemetry import Telemetry
-from kvsidecar.store.llama_exit import ExitEvidence, ExitHistory, exit_evidence, unit_of
-from kvsidecar.store.llama_process import ProcessInfo
+from kvsidecar.fingerprint.llama_exit import ExitEvidence, ExitHistory, exit_evidence, unit_of
+from kvsidecar.fingerprint.llama_process import ProcessInfo
 
 
 class ExitWatch:

@@ -17,8 +17,8 @@ from kvsidecar.coordinator.breaker import BreakerState
 from kvsidecar.coordinator.costs import CostModel
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.state import Lease, SessionRuntime
+from kvsidecar.fingerprint.savepath import llama_save_dir
 from kvsidecar.metrics import PREFIX
-from kvsidecar.savepath import llama_save_dir
 from kvsidecar.store.snapshots import SnapshotStore
 
 # The cost model's figures (CostModel.view()) and the gauge each one is published as.

@@ -31,9 +31,9 @@ from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
 from kvsidecar.coordinator.state import HOOK_SCOPE, AcquireResult, Outcome, SessionRuntime, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import BackendUnavailable, ConnectionLost, KvError, RestoreFailed, SnapshotError
-from kvsidecar.savepath import llama_save_dir
+from kvsidecar.fingerprint.runtime import RuntimeFingerprint
+from kvsidecar.fingerprint.savepath import llama_save_dir
 from kvsidecar.store.confined import DIR_MOVED
-from kvsidecar.store.fingerprint import RuntimeFingerprint
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import Candidate, Rejection, SnapshotStore
 

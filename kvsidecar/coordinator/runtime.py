@@ -24,7 +24,7 @@ from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
 from kvsidecar.coordinator.state import Slot
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import BackendError, BackendUnavailable, KvError, OperationTimeout
-from kvsidecar.savepath import llama_save_dir
+from kvsidecar.fingerprint.savepath import llama_save_dir
 
 T = TypeVar("T")
 MARGIN_S = 5.0

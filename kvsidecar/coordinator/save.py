@@ -30,8 +30,8 @@ from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
 from kvsidecar.coordinator.state import SessionRuntime, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import Fenced, KvError, SaveFailed
-from kvsidecar.savepath import llama_save_dir
-from kvsidecar.store.fingerprint import RuntimeFingerprint
+from kvsidecar.fingerprint.runtime import RuntimeFingerprint
+from kvsidecar.fingerprint.savepath import llama_save_dir
 from kvsidecar.store.snapshots import SavePlan, SnapshotStore
 
 

@@ -39,8 +39,8 @@ from kvsidecar.config import Config, Mode, ServerConfig
 from kvsidecar.coordinator.breaker import CircuitBreaker
 from kvsidecar.coordinator.state import Slot
 from kvsidecar.errors import KvError
-from kvsidecar.logs import event
-from kvsidecar.store.fingerprint import (
+from kvsidecar.fingerprint.llama_process import load_identity, model_mappings
+from kvsidecar.fingerprint.runtime import (
     FileDigestCache,
     ModelProof,
     ProcessInfo,
@@ -48,7 +48,7 @@ from kvsidecar.store.fingerprint import (
     build_fingerprint,
     model_proof,
 )
-from kvsidecar.store.llama_process import load_identity, model_mappings
+from kvsidecar.logs import event
 
 log = logging.getLogger("kvsidecar.server")
 

@@ -16,9 +16,9 @@ from kvsidecar.coordinator.gauges import CostCollector, StateCollector, UnsavedC
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.state import Lease, Outcome, SessionRuntime
 from kvsidecar.errors import KvError
+from kvsidecar.fingerprint.llama_exit import ExitEvidence, crash_hint
 from kvsidecar.logs import event
 from kvsidecar.metrics import Metrics
-from kvsidecar.store.llama_exit import ExitEvidence, crash_hint
 from kvsidecar.store.naming import short_id
 from kvsidecar.store.snapshots import Candidate, Rejection, SnapshotStore
 

@@ -12,7 +12,7 @@ from kvsidecar.coordinator.sessions import SessionTable
 from kvsidecar.coordinator.state import Lease, SessionRuntime, SessionState, Slot
 from kvsidecar.coordinator.verdict import persistence_now
 from kvsidecar.errors import DirMoved
-from kvsidecar.savepath import SetupWarning, llama_save_dir, save_path_warning
+from kvsidecar.fingerprint.savepath import SetupWarning, llama_save_dir, save_path_warning
 from kvsidecar.store.manifest import Manifest
 from kvsidecar.store.snapshots import SnapshotStore
 

@@ -75,7 +75,7 @@ class FleetAgent:
         self.plane.local_origins = frozenset(
             o for s in config.servers.values() if (o := origin_of(s.base_url)) is not None
         )
-        self.own_origins = own_origins(config)  # never forwarded to (routing.py, proxy.py): served here
+        self.own_origins = own_origins(config)  # never forwarded to (routing.py, proxy/app.py): served here
         self.leases = Leases(self.client, key_prefix=fleet.key_prefix)
         self.queue: deque[_Op] = deque()
         self.dropped = 0  # residency events dropped from a full queue (the next heartbeat repairs them)

@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from starlette.responses import Response
 
-from kvsidecar.client_wire import segment
+from kvsidecar.client.wire import segment
 from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.ownership import Claim
 from kvsidecar.errors import KvError, LeaseNotFound, NotFound
 from kvsidecar.fleet.agent import DOWN
 from kvsidecar.fleet.plane import HostRecord, session_hash
+from kvsidecar.http.router import DEADLINE_HEADER, HOP_HEADER
 from kvsidecar.logs import event
-from kvsidecar.router import DEADLINE_HEADER, HOP_HEADER
 
 if TYPE_CHECKING:
     from kvsidecar.coordinator.core import Coordinator
@@ -367,7 +367,7 @@ class FleetRouter:
         """Apply the releases other hosts recorded for this one while it was not live (called after each
         heartbeat). Each entry is hostile input: anything but a lease id and a valid release body is
         skipped. Returns how many leases were released."""
-        from kvsidecar.api import ReleaseBody  # the release route's own body model (api imports us)
+        from kvsidecar.api.routes import ReleaseBody  # the release route's own body model (api imports us)
 
         if len(self.seen) < RELEASES_KEPT:
             self.seen.update(self.agent.hosts)

@@ -13,7 +13,7 @@ from kvsidecar.backend.base import EraseResult, RestoreResult, SaveResult
 from kvsidecar.backend.llamacpp import LlamaCppBackend
 from kvsidecar.config import config_from_mapping
 from kvsidecar.coordinator.core import AcquireResult, Coordinator
-from kvsidecar.store.fingerprint import FileDigestCache, find_llama_process
+from kvsidecar.fingerprint.runtime import FileDigestCache, find_llama_process
 from kvsidecar.store.snapshots import SnapshotStore
 from kvsidecar.testing.llama import LlamaServer, complete, words
 

@@ -13,7 +13,7 @@ import httpx
 
 from kvsidecar.client import KvSidecarClient
 from kvsidecar.config import config_from_mapping
-from kvsidecar.service import build_server
+from kvsidecar.daemon.service import build_server
 from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import LlamaServer, complete, free_port, words
 from tests.conftest import StartServer

@@ -21,7 +21,7 @@ import pytest
 from kvsidecar.backend.base import SaveResult
 from kvsidecar.coordinator.state import Outcome
 from kvsidecar.errors import BackendUnavailable
-from kvsidecar.store.fingerprint import RuntimeFingerprint
+from kvsidecar.fingerprint.runtime import RuntimeFingerprint
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import Candidate, Rejection
 from kvsidecar.testing.daemon import DaemonProcess

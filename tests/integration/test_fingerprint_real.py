@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from kvsidecar.backend.llamacpp import LlamaCppBackend
-from kvsidecar.store.fingerprint import (
+from kvsidecar.fingerprint.runtime import (
     FileDigestCache,
     RuntimeFingerprint,
     build_fingerprint,

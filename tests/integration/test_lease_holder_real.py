@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from kvsidecar.config import config_from_mapping
-from kvsidecar.service import Daemon, build_server
+from kvsidecar.daemon.service import Daemon, build_server
 from kvsidecar.testing.llama import LlamaServer, complete, free_port, words
 from tests.conftest import StartServer
 

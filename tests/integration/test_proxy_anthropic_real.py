@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvsidecar.proxy_anthropic import chat_request_bytes, chat_to_message, messages_to_chat
-from kvsidecar.proxy_anthropic_stream import StreamTransducer
+from kvsidecar.proxy.anthropic import chat_request_bytes, chat_to_message, messages_to_chat
+from kvsidecar.proxy.anthropic_stream import StreamTransducer
 from kvsidecar.testing.llama import LlamaServer
 from kvsidecar.testing.models import chat_template
 from tests.anthropic_helpers import accumulate, check_message, parse_sse

@@ -10,7 +10,7 @@ import httpx
 
 from kvsidecar.config import config_from_mapping
 from kvsidecar.coordinator.state import Outcome
-from kvsidecar.service import Daemon
+from kvsidecar.daemon.service import Daemon
 from kvsidecar.testing.llama import complete
 from tests.conftest import StartServer
 from tests.integration.real_helpers import prompt

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from kvsidecar.statelock import LOCK_NAME, Holder, this_host
+from kvsidecar.daemon.statelock import LOCK_NAME, Holder, this_host
 from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import LlamaServer, complete, words
 from tests.conftest import StartServer

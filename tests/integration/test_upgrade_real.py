@@ -127,7 +127,7 @@ async def test_doctor_names_the_state_format_each_build_writes(
 ) -> None:
     """doctor says whether a server's snapshots can survive an upgrade: the format its build writes."""
     from kvsidecar.backend.llamacpp import LlamaCppBackend
-    from kvsidecar.doctor import Doctor
+    from kvsidecar.doctor.checks import Doctor
     from tests.unit.coordinator_helpers import make_config
 
     server = _previous_server(previous_bin if which == "previous" else llama_bin, tiny_model, tmp_path)

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from kvsidecar.api import create_app
+from kvsidecar.api.routes import create_app
 from kvsidecar.client import KvSidecarClient, SidecarError
 from tests.unit.coordinator_helpers import Harness, conversation
 

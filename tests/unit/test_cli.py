@@ -18,8 +18,8 @@ import yaml
 from kvsidecar import cli
 from kvsidecar.backend.base import BackendCapabilities
 from kvsidecar.cli import main, table
-from kvsidecar.cli_text import persistence_state, render_status
-from kvsidecar.store.llama_process import ProcessInfo
+from kvsidecar.cli.text import persistence_state, render_status
+from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import SnapshotStore
 from tests.unit.coordinator_helpers import start_harness

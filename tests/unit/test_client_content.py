@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvsidecar import client_content as cc
-from kvsidecar.client_content import (
+from kvsidecar.proxy import client_content as cc
+from kvsidecar.proxy.client_content import (
     KnownConversation,
     Normalized,
     conversation_id,

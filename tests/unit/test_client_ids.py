@@ -1,4 +1,4 @@
-"""Session ids of unmodified agent clients, from their recorded requests (kvsidecar.client_ids, issue 28)."""
+"""Session ids of unmodified agent clients, from their recorded requests (kvsidecar.proxy.client_ids, issue 28)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvsidecar import client_ids as ci
-from kvsidecar.client_ids import Recognition, asgi_headers, normalize_session_id, recognize
+from kvsidecar.proxy import client_ids as ci
+from kvsidecar.proxy.client_ids import Recognition, asgi_headers, normalize_session_id, recognize
 from kvsidecar.store.naming import validate_session_id
 from tests.unit.client_fixtures import Recorded, load, posts
 

@@ -23,7 +23,7 @@ import uvicorn
 
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.client import AsyncKvSidecar, KvSidecar, KvSidecarClient, Lease, SidecarError
-from kvsidecar.service import Daemon, build_server
+from kvsidecar.daemon.service import Daemon, build_server
 from kvsidecar.testing.llama import free_port
 from tests.unit.coordinator_helpers import conversation, make_config
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from kvsidecar.cli_config import default_config_text, schema, schema_text
+from kvsidecar.cli.config import default_config_text, schema, schema_text
 from kvsidecar.config import (
     Config,
     Mode,
@@ -21,7 +21,7 @@ from kvsidecar.config import (
     load_config,
     read_config,
 )
-from kvsidecar.config_errors import ConfigInvalid, known_keys
+from kvsidecar.config.errors import ConfigInvalid, known_keys
 from kvsidecar.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]

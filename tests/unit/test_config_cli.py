@@ -14,10 +14,10 @@ import pytest
 from packaging.version import Version
 
 from kvsidecar.cli import main
-from kvsidecar.cli_config import default_config_text, schema
+from kvsidecar.cli.config import default_config_text, schema
 from kvsidecar.config import Config, ServerConfig, config_from_mapping
-from kvsidecar.savepath import SAVE_PATH_MISMATCH, log_save_path_warnings, save_path_warning
-from kvsidecar.store.llama_process import ProcessInfo
+from kvsidecar.fingerprint.llama_process import ProcessInfo
+from kvsidecar.fingerprint.savepath import SAVE_PATH_MISMATCH, log_save_path_warnings, save_path_warning
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,12 +14,12 @@ import pytest
 
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.cli import main
-from kvsidecar.cli_config import default_config_text
+from kvsidecar.cli.config import default_config_text
 from kvsidecar.config import load_config
-from kvsidecar.config_errors import ConfigInvalid
-from kvsidecar.config_yaml import load_strict
+from kvsidecar.config.errors import ConfigInvalid
+from kvsidecar.config.file import load_strict
+from kvsidecar.daemon.service import Daemon
 from kvsidecar.errors import ConfigError
-from kvsidecar.service import Daemon
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import pytest
 from kvsidecar.coordinator.breaker import BreakerState
 from kvsidecar.coordinator.state import Lease, Outcome, SessionState
 from kvsidecar.errors import InvalidSessionId, LeaseNotFound, MetadataIO, SaveFailed, ShuttingDown, SlotBusy
-from kvsidecar.store.fingerprint import ProcessInfo
+from kvsidecar.fingerprint.runtime import ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity
 from tests.unit.coordinator_helpers import Harness, start_harness
 

@@ -21,10 +21,10 @@ import pytest
 from kvsidecar.backend.base import SaveResult
 from kvsidecar.coordinator.canary import CANARY_FILE, sweep_canary_files
 from kvsidecar.coordinator.state import Outcome
-from kvsidecar.doctor import Doctor
+from kvsidecar.doctor.checks import Doctor
 from kvsidecar.errors import DirMoved
+from kvsidecar.fingerprint.runtime import FileDigestCache, ProcessInfo
 from kvsidecar.store.confined import UnsafeFile
-from kvsidecar.store.fingerprint import FileDigestCache, ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import SnapshotStore
 from tests.unit.coordinator_helpers import Harness, start_harness

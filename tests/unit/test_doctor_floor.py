@@ -7,7 +7,7 @@ import psutil
 import pytest
 
 from kvsidecar.backend.fake import FakeKvBackend
-from kvsidecar.doctor import Doctor, DoctorReport
+from kvsidecar.doctor.checks import Doctor, DoctorReport
 from tests.unit.coordinator_helpers import make_config
 
 

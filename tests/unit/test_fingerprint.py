@@ -16,8 +16,10 @@ import psutil
 import pytest
 
 from kvsidecar.backend.base import BackendCapabilities
-from kvsidecar.store import fingerprint as fpmod
-from kvsidecar.store.fingerprint import (
+from kvsidecar.fingerprint import runtime as fpmod
+from kvsidecar.fingerprint.llama_args import BY_NAME, OPTIONS
+from kvsidecar.fingerprint.llama_process import MappedFile
+from kvsidecar.fingerprint.runtime import (
     HARMLESS,
     SETTING_CLASSES,
     FileDigestCache,
@@ -30,8 +32,6 @@ from kvsidecar.store.fingerprint import (
     parse_flags,
     parse_settings,
 )
-from kvsidecar.store.llama_args import BY_NAME, OPTIONS
-from kvsidecar.store.llama_process import MappedFile
 from kvsidecar.testing.llama import free_port
 
 CAPS = BackendCapabilities(

@@ -18,15 +18,15 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsidecar.api import create_app
-from kvsidecar.api_models import FleetView
+from kvsidecar.api.models import FleetView
+from kvsidecar.api.routes import create_app
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.config import config_from_mapping
+from kvsidecar.daemon.service import Daemon
 from kvsidecar.fleet import REDIS_DOWN
 from kvsidecar.fleet import agent as agent_module
 from kvsidecar.fleet.agent import FleetAgent
 from kvsidecar.fleet.plane import FleetPlane, connect
-from kvsidecar.service import Daemon
 from tests.fleet_helpers import RedisServer, eventually
 from tests.integration.test_dashboard_real import DASHBOARD, dashboard_exprs, exposed_names, metric_names
 from tests.unit.coordinator_helpers import Harness, start_harness
@@ -246,7 +246,7 @@ async def test_single_host_mode_has_no_fleet_anything(tmp_path: Path) -> None:
 
 def test_single_host_mode_never_imports_redis() -> None:
     code = (
-        "import sys, kvsidecar.service, kvsidecar.cli, kvsidecar.api, kvsidecar.proxy\n"
+        "import sys, kvsidecar.daemon.service, kvsidecar.cli, kvsidecar.api.routes, kvsidecar.proxy.app\n"
         "from kvsidecar.cli import build_parser\n"
         "build_parser()\n"
         "loaded = sorted(m for m in sys.modules if m == 'redis' or m.startswith(('redis.', 'kvsidecar.fleet')))\n"

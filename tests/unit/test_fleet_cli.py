@@ -13,7 +13,7 @@ import yaml
 
 from kvsidecar.cli import main
 from kvsidecar.config import FleetConfig, config_from_mapping
-from kvsidecar.config_errors import ConfigInvalid
+from kvsidecar.config.errors import ConfigInvalid
 from kvsidecar.fleet.ownership import Leases
 from kvsidecar.fleet.plane import FleetPlane, HostRecord, ServerRecord, connect
 from tests.fleet_helpers import RedisServer

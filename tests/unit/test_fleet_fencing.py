@@ -22,7 +22,7 @@ from kvsidecar.errors import Fenced, MetadataIO
 from kvsidecar.fleet.agent import FleetAgent
 from kvsidecar.fleet.gate import FleetGate, LeaderRetention
 from kvsidecar.metrics import Metrics
-from kvsidecar.retention import RetentionJob
+from kvsidecar.retention.job import RetentionJob
 from kvsidecar.store.fence import FenceFiles
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import SnapshotStore

@@ -28,7 +28,7 @@ from kvsidecar.fleet.gate import FleetGate, LeaderRetention
 from kvsidecar.fleet.plane import HostRecord, awaited
 from kvsidecar.fleet.routing import FleetRouter
 from kvsidecar.metrics import Metrics
-from kvsidecar.retention import RetentionJob
+from kvsidecar.retention.job import RetentionJob
 from kvsidecar.store.fence import FenceFiles
 from tests.fleet_helpers import eventually
 from tests.unit.test_fleet_fencing import Host, key_of, start_host

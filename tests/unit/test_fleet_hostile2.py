@@ -20,16 +20,16 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from kvsidecar.api import create_app
+from kvsidecar.api.routes import create_app
 from kvsidecar.config import config_from_mapping
-from kvsidecar.config_errors import ConfigInvalid
+from kvsidecar.config.errors import ConfigInvalid
 from kvsidecar.errors import MetadataIO, NotFound
 from kvsidecar.fleet.gate import LeaderRetention
 from kvsidecar.fleet.plane import HostRecord, awaited
 from kvsidecar.fleet.routing import FleetRouter
 from kvsidecar.metrics import Metrics
-from kvsidecar.proxy import Proxy
-from kvsidecar.retention import Deletion, RetentionJob
+from kvsidecar.proxy.app import Proxy
+from kvsidecar.retention.job import Deletion, RetentionJob
 from kvsidecar.store.snapshots import SnapshotStore
 from tests.fleet_helpers import BoundSocket, eventually
 from tests.unit.test_fleet_fencing import Host, key_of, manifest_bytes, start_host

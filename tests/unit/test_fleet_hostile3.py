@@ -11,10 +11,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from kvsidecar.api import create_app
+from kvsidecar.api.routes import create_app
 from kvsidecar.errors import NotFound
 from kvsidecar.fleet.routing import FleetRouter
-from kvsidecar.proxy import Proxy
+from kvsidecar.proxy.app import Proxy
 from kvsidecar.store.saving import SavePlan
 from tests.fleet_helpers import BoundSocket, eventually
 from tests.unit.test_fleet_fencing import Host, key_of, manifest_bytes, start_host

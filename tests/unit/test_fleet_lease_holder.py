@@ -17,12 +17,12 @@ from typing import Any
 import httpx
 import pytest
 
-from kvsidecar.api import create_app
+from kvsidecar.api.routes import create_app
 from kvsidecar.coordinator.caller import Caller
 from kvsidecar.errors import LeaseNotFound, SlotBusy
 from kvsidecar.fleet.plane import awaited
 from kvsidecar.fleet.routing import FleetRouter
-from kvsidecar.router import DEADLINE_HEADER
+from kvsidecar.http.router import DEADLINE_HEADER
 from tests.fleet_helpers import BoundSocket, eventually
 from tests.unit.test_fleet_fencing import Host, key_of, start_host
 
@@ -146,7 +146,7 @@ async def test_a_release_for_a_host_that_is_not_live_is_applied_when_it_is_back(
 
 
 def test_the_release_answer_model_describes_a_queued_release() -> None:
-    from kvsidecar.api_models import ReleaseResponse
+    from kvsidecar.api.models import ReleaseResponse
 
     doc = ReleaseResponse.model_validate({"released": False, "dirty": False, "queued": True, "host": "h2"})
     assert json.loads(doc.model_dump_json())["queued"] is True
@@ -173,7 +173,7 @@ async def test_a_forwarded_budget_always_fits_the_header_its_receiver_takes(
         await router.forward("h2", "POST", "/v1/sessions/A/acquire", BODY, 0)
     finally:
         await router.aclose()
-    from kvsidecar.router import deadline_budget
+    from kvsidecar.http.router import deadline_budget
 
     sent = seen[0][DEADLINE_HEADER]
     assert sent == "999999999"

@@ -18,11 +18,11 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from kvsidecar.config import config_from_mapping, http_origin
-from kvsidecar.config_errors import ConfigInvalid
+from kvsidecar.config.errors import ConfigInvalid
 from kvsidecar.fleet.plane import HostRecord, awaited
 from kvsidecar.fleet.routing import FleetRouter
-from kvsidecar.listener import MAX_HEADERS
-from kvsidecar.proxy import Proxy
+from kvsidecar.http.listener import MAX_HEADERS
+from kvsidecar.proxy.app import Proxy
 from tests.fleet_helpers import eventually
 from tests.unit.origin import keep_alive_origin
 from tests.unit.rawhttp import open_socket, raw_request, read_until_closed

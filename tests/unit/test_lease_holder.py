@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvsidecar.api import create_app
+from kvsidecar.api.routes import create_app
 from kvsidecar.coordinator.caller import Caller, deadline_from_budget
 from kvsidecar.coordinator.state import Outcome
 from kvsidecar.errors import LeaseNotFound, SlotBusy

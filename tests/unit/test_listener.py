@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvsidecar import service
-from kvsidecar.api import create_app
+from kvsidecar.api.routes import create_app
+from kvsidecar.daemon import service
+from kvsidecar.daemon.service import _uvicorn
 from kvsidecar.errors import ConfigError
-from kvsidecar.listener import Limits, ListenerState
-from kvsidecar.service import _uvicorn
+from kvsidecar.http.listener import Limits, ListenerState
 from kvsidecar.units import UNITS, UnitParams, render
 from tests.unit.coordinator_helpers import Harness, make_config, start_harness
 from tests.unit.origin import Origin, OriginConn

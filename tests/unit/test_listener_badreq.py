@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import uvicorn
 
-from kvsidecar.api import create_app
-from kvsidecar.listener import LimitedHttpProtocol, Limits, ListenerState
-from kvsidecar.openapi import ErrorBody
-from kvsidecar.proxy_answers import openai_error
-from kvsidecar.router import Router
-from kvsidecar.service import _uvicorn
+from kvsidecar.api.routes import create_app
+from kvsidecar.daemon.service import _uvicorn
+from kvsidecar.http.listener import LimitedHttpProtocol, Limits, ListenerState
+from kvsidecar.http.openapi import ErrorBody
+from kvsidecar.http.router import Router
+from kvsidecar.proxy.answers import openai_error
 from tests.unit.coordinator_helpers import start_harness
 from tests.unit.origin import Origin, OriginConn
 from tests.unit.rawhttp import open_socket, read_until_closed

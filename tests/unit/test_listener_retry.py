@@ -10,10 +10,10 @@ from pathlib import Path
 import h11
 import pytest
 
-from kvsidecar.api import create_app
-from kvsidecar.listener import Limits, ListenerState
-from kvsidecar.proxy_answers import openai_error
-from kvsidecar.router import Router
+from kvsidecar.api.routes import create_app
+from kvsidecar.http.listener import Limits, ListenerState
+from kvsidecar.http.router import Router
+from kvsidecar.proxy.answers import openai_error
 from tests.unit.coordinator_helpers import start_harness
 from tests.unit.rawhttp import open_socket, read_until_closed
 from tests.unit.test_listener import accepted, serve_api

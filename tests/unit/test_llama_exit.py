@@ -20,8 +20,8 @@ import pytest
 
 from kvsidecar.backend.llamacpp import LlamaCppBackend
 from kvsidecar.coordinator.exits import ExitWatch
-from kvsidecar.doctor import Doctor
-from kvsidecar.store.llama_exit import (
+from kvsidecar.doctor.checks import Doctor
+from kvsidecar.fingerprint.llama_exit import (
     ExitEvidence,
     ExitHistory,
     parse_journal,
@@ -30,7 +30,7 @@ from kvsidecar.store.llama_exit import (
     read_kmsg,
     unit_of,
 )
-from kvsidecar.store.llama_process import ProcessInfo
+from kvsidecar.fingerprint.llama_process import ProcessInfo
 from tests.unit.coordinator_helpers import make_config
 
 KMSG = (

@@ -13,7 +13,7 @@ from kvsidecar.backend.llama_http import find_timings, read_api_key, token_count
 from kvsidecar.backend.llamacpp import LlamaCppBackend
 from kvsidecar.config import config_from_mapping
 from kvsidecar.errors import ConfigError
-from kvsidecar.proxy import Proxy
+from kvsidecar.proxy.app import Proxy
 from tests.unit.coordinator_helpers import start_harness
 
 

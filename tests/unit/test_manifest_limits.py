@@ -17,9 +17,9 @@ import pytest
 
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.config import RetentionConfig
+from kvsidecar.daemon.service import Daemon
 from kvsidecar.metrics import Metrics
-from kvsidecar.retention import Disk, RetentionJob
-from kvsidecar.service import Daemon
+from kvsidecar.retention.job import Disk, RetentionJob
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import SnapshotStore
 from tests.unit.coordinator_helpers import conversation, make_config

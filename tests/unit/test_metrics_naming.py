@@ -18,7 +18,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvsidecar import __version__
-from kvsidecar.api import create_app
+from kvsidecar.api.routes import create_app
 from kvsidecar.coordinator.costs import ServerCosts
 from kvsidecar.coordinator.gauges import COST_GAUGES
 from kvsidecar.metrics import DURATION_BUCKETS

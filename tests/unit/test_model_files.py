@@ -23,8 +23,9 @@ from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.backend.llamacpp import LlamaCppBackend
 from kvsidecar.coordinator.state import Outcome
 from kvsidecar.coordinator.views import server_view
-from kvsidecar.doctor import Doctor
-from kvsidecar.store.fingerprint import (
+from kvsidecar.doctor.checks import Doctor
+from kvsidecar.fingerprint.llama_process import MappedFile, model_mappings
+from kvsidecar.fingerprint.runtime import (
     FileDigestCache,
     ProcessInfo,
     RuntimeFingerprint,
@@ -34,7 +35,6 @@ from kvsidecar.store.fingerprint import (
     model_proof,
     parse_flags,
 )
-from kvsidecar.store.llama_process import MappedFile, model_mappings
 from tests.unit.coordinator_helpers import Harness, make_config
 
 CAPS = BackendCapabilities(

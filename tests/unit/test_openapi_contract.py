@@ -23,10 +23,10 @@ from schemathesis.core.failures import Failure
 from schemathesis.specs.openapi.schemas import OpenApiSchema
 from starlette.types import ASGIApp, Message
 
-from kvsidecar.api import create_app
+from kvsidecar.api.routes import create_app
 from kvsidecar.errors import InvalidSessionId
-from kvsidecar.retention import Disk, RetentionJob
-from kvsidecar.router import Route, Router
+from kvsidecar.http.router import Route, Router
+from kvsidecar.retention.job import Disk, RetentionJob
 from kvsidecar.store.naming import validate_session_id
 from tests.unit.coordinator_helpers import Harness, conversation
 

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from kvsidecar.backend.llama_http import pin
-from kvsidecar.proxy import Proxy
-from kvsidecar.service import _uvicorn
+from kvsidecar.daemon.service import _uvicorn
+from kvsidecar.proxy.app import Proxy
 from tests.unit.coordinator_helpers import Harness, start_harness
 from tests.unit.origin import Origin, OriginConn, Request, keep_alive_origin
 

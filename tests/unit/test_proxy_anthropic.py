@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvsidecar.proxy_anthropic import (
+from kvsidecar.proxy.anthropic import (
     CODES,
     INVALID_FIELD,
     INVALID_TEXT,
@@ -29,7 +29,7 @@ from kvsidecar.proxy_anthropic import (
     messages_to_chat,
     normalize_billing_header,
 )
-from kvsidecar.proxy_anthropic_stream import MAX_EVENT_BYTES, StreamTransducer
+from kvsidecar.proxy.anthropic_stream import MAX_EVENT_BYTES, StreamTransducer
 from tests.anthropic_helpers import accumulate, check_message, parse_sse
 from tests.unit.client_fixtures import load
 

@@ -15,14 +15,14 @@ from typing import Any
 import httpx
 import pytest
 
-from kvsidecar.api import create_app
+from kvsidecar.api.routes import create_app
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.backend.llama_http import find_timings
-from kvsidecar.client_content import normalize
 from kvsidecar.coordinator.state import Outcome
 from kvsidecar.errors import InvalidSessionId
-from kvsidecar.proxy_answers import REASONS, SIGNAL_VALUES
-from kvsidecar.proxy_conversations import ConversationTable, credential_of
+from kvsidecar.proxy.answers import REASONS, SIGNAL_VALUES
+from kvsidecar.proxy.client_content import normalize
+from kvsidecar.proxy.conversations import ConversationTable, credential_of
 from tests.unit.client_fixtures import Recorded, load
 from tests.unit.coordinator_helpers import conversation, start_harness
 from tests.unit.origin import Request, keep_alive_origin

@@ -14,7 +14,7 @@ import pytest
 from kvsidecar.backend.llama_http import ROUTES, RouteKind, classify, llama_path
 from kvsidecar.config import config_from_mapping
 from kvsidecar.errors import ConfigError
-from kvsidecar.proxy import Proxy
+from kvsidecar.proxy.app import Proxy
 from tests.unit.coordinator_helpers import make_config, start_harness
 from tests.unit.origin import Request, keep_alive_origin
 from tests.unit.rawhttp import raw_request

@@ -19,8 +19,8 @@ import pytest
 
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.coordinator.state import AcquireResult, Outcome
-from kvsidecar.proxy_answers import OTHER, REASONS, reason_token
-from kvsidecar.store import fingerprint
+from kvsidecar.fingerprint import runtime as fingerprint
+from kvsidecar.proxy.answers import OTHER, REASONS, reason_token
 from tests.unit.origin import Origin, OriginConn, Request, keep_alive_origin
 from tests.unit.rawhttp import open_socket, read_until_closed
 from tests.unit.test_proxy import TOKEN, Rig, rig
@@ -261,7 +261,7 @@ async def test_an_unexpected_error_is_still_an_openai_error(
     def broken(*_: Any, **__: Any) -> bytes:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("kvsidecar.proxy.pin", broken)
+    monkeypatch.setattr("kvsidecar.proxy.app.pin", broken)
     async for r in with_engine(tmp_path):
         bug = sdk(r, create(**{"X-Session-Id": "A"}))
         await raises(bug, openai.InternalServerError, 500, "KV_INVARIANT")

@@ -29,7 +29,7 @@ from kvsidecar.client import Lease
 from kvsidecar.config import ApiConfig
 from kvsidecar.coordinator.core import EventType
 from kvsidecar.coordinator.state import Outcome
-from kvsidecar.service import Daemon, build_server
+from kvsidecar.daemon.service import Daemon, build_server
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.testing.llama import free_port
 from tests.unit.coordinator_helpers import conversation, make_config

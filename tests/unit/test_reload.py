@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import yaml
 
-from kvsidecar import service
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.config import Config, load_config
+from kvsidecar.daemon import service
+from kvsidecar.daemon.service import Daemon, changed_keys
 from kvsidecar.logs import ROOT, JsonFormatter, configure
-from kvsidecar.service import Daemon, changed_keys
 
 
 @pytest.fixture

@@ -15,10 +15,10 @@ import httpx
 import pytest
 from starlette.types import Message
 
-from kvsidecar.api import PARAMS, AcquireBody, EventBody, ReleaseBody, create_app, routes
-from kvsidecar.listener import Limits, ListenerState
-from kvsidecar.router import Call, Route, Router
-from kvsidecar.service import _uvicorn
+from kvsidecar.api.routes import PARAMS, AcquireBody, EventBody, ReleaseBody, create_app, routes
+from kvsidecar.daemon.service import _uvicorn
+from kvsidecar.http.listener import Limits, ListenerState
+from kvsidecar.http.router import Call, Route, Router
 from tests.unit.coordinator_helpers import Harness
 
 TOKEN = "r" * 32

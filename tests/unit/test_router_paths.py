@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from kvsidecar.client_wire import _session_path as session_path
+from kvsidecar.client.wire import _session_path as session_path
 from tests.unit.coordinator_helpers import Harness
 from tests.unit.rawhttp import raw_request
 from tests.unit.test_listener import TOKEN, serve_api

@@ -22,15 +22,15 @@ import uvicorn
 from kvsidecar import __version__
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.cli import EXIT_USAGE, main
+from kvsidecar.daemon.lifecycle import Stopper
+from kvsidecar.daemon.service import Daemon
+from kvsidecar.daemon.statelock import LOCK_NAME, Holder, StateLock, this_host
 from kvsidecar.errors import MetadataIO, StateLocked
-from kvsidecar.lifecycle import Stopper
-from kvsidecar.service import Daemon
-from kvsidecar.statelock import LOCK_NAME, Holder, StateLock, this_host
 from kvsidecar.testing.llama import free_port
 from tests.unit.coordinator_helpers import make_config
 
 HOLD = (
-    "import sys; from kvsidecar.statelock import StateLock; "
+    "import sys; from kvsidecar.daemon.statelock import StateLock; "
     "lock = StateLock.acquire(sys.argv[1]); print('locked', flush=True); sys.stdin.read()"
 )
 

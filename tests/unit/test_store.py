@@ -11,7 +11,7 @@ import pytest
 
 from kvsidecar.backend.base import SaveResult
 from kvsidecar.errors import ManifestInvalid, SnapshotCorrupt
-from kvsidecar.store.fingerprint import RuntimeFingerprint
+from kvsidecar.fingerprint.runtime import RuntimeFingerprint
 from kvsidecar.store.integrity import MAGIC
 from kvsidecar.store.manifest import Manifest, read_manifest
 from kvsidecar.store.naming import SnapshotIdentity

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from kvsidecar.cli import main
-from kvsidecar.lifecycle import ReadyGate
+from kvsidecar.daemon.lifecycle import ReadyGate
 from kvsidecar.testing.llama import free_port
 from kvsidecar.units import UNITS, UnitParams, render
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import uvloop
 
-from kvsidecar import upstream as upstream_mod
-from kvsidecar.upstream import Upstream, UpstreamError
+from kvsidecar.proxy import upstream as upstream_mod
+from kvsidecar.proxy.upstream import Upstream, UpstreamError
 from tests.unit.origin import Origin, OriginConn, Request, keep_alive_origin
 
 

@@ -35,7 +35,7 @@ from kvsidecar.config import (
     is_loopback,
     load_config,
 )
-from kvsidecar.config_yaml import read_mapping
+from kvsidecar.config.file import read_mapping
 from kvsidecar.errors import UnitPathUnsafe
 from kvsidecar.store.atomic import atomic_write_bytes
 from kvsidecar.units import SNAPSHOT_MODE, STATE_MODE, UNITS, UnitParams, render, state_directory

@@ -23,7 +23,6 @@ from collections.abc import Mapping
 
 from starlette.responses import Response
 
-from kvsidecar import client_content, client_ids
 from kvsidecar.coordinator.core import INVALIDATED
 from kvsidecar.coordinator.state import AcquireResult, Outcome
 from kvsidecar.errors import (
@@ -35,7 +34,9 @@ from kvsidecar.errors import (
     TooManyConnections,
     http_status,
 )
-from kvsidecar.store import fingerprint, manifest, table
+from kvsidecar.fingerprint import runtime as fingerprint
+from kvsidecar.proxy import client_content, client_ids
+from kvsidecar.store import manifest, table
 
 # OpenAI's error `type` for each status the proxy answers with (llama-server uses the same words).
 ERROR_TYPES: dict[int, str] = {

@@ -35,8 +35,8 @@ from pydantic import (
 )
 from pydantic.json_schema import JsonSchemaValue
 
-from kvsidecar.config_errors import ConfigInvalid, config_problems
-from kvsidecar.config_yaml import read_mapping
+from kvsidecar.config.errors import ConfigInvalid, config_problems
+from kvsidecar.config.file import read_mapping
 from kvsidecar.units.checks import overlaps
 
 DEFAULT_CONFIG_PATH = Path("/etc/kvsidecar/config.yaml")

@@ -65,9 +65,6 @@ from kvsidecar.backend.llama_http import (
     pin,
     read_api_key,
 )
-from kvsidecar.client_content import SIGNAL as CONTENT_SIGNAL
-from kvsidecar.client_content import Normalized, divergence_index, extends, normalize
-from kvsidecar.client_ids import CONFIGURED, SIG_SESSION_HEADER, asgi_headers, recognize
 from kvsidecar.config import Config
 from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.core import Coordinator
@@ -81,9 +78,10 @@ from kvsidecar.errors import (
     PayloadTooLarge,
     ProxyForbidden,
 )
-from kvsidecar.listener import Limits, ListenerState, bearer_credential
+from kvsidecar.http.listener import Limits, ListenerState, bearer_credential
+from kvsidecar.http.router import HOP_HEADER, ClientGone, hop_count, read_body, refuse, watch_disconnect
 from kvsidecar.logs import event
-from kvsidecar.proxy_answers import (
+from kvsidecar.proxy.answers import (
     PROMPT_DIVERGED,
     SIGNAL_AUX_DIVERGED,
     SIGNAL_NONE,
@@ -91,9 +89,12 @@ from kvsidecar.proxy_answers import (
     kv_headers,
     openai_error,
 )
-from kvsidecar.proxy_anthropic import INVALID_FIELD, ConversionError, chat_request_bytes
-from kvsidecar.proxy_conversations import ConversationTable, credential_of
-from kvsidecar.proxy_forward import (
+from kvsidecar.proxy.anthropic import INVALID_FIELD, ConversionError, chat_request_bytes
+from kvsidecar.proxy.client_content import SIGNAL as CONTENT_SIGNAL
+from kvsidecar.proxy.client_content import Normalized, divergence_index, extends, normalize
+from kvsidecar.proxy.client_ids import CONFIGURED, SIG_SESSION_HEADER, asgi_headers, recognize
+from kvsidecar.proxy.conversations import ConversationTable, credential_of
+from kvsidecar.proxy.forward import (
     PEER_HEADER,
     Convert,
     Forwarder,
@@ -102,9 +103,8 @@ from kvsidecar.proxy_forward import (
     hop_by_hop,
     lifespan,
 )
-from kvsidecar.router import HOP_HEADER, ClientGone, hop_count, read_body, refuse, watch_disconnect
+from kvsidecar.proxy.upstream import Upstream, UpstreamError, UpstreamTimeout
 from kvsidecar.store.naming import short_id, validate_session_id
-from kvsidecar.upstream import Upstream, UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
     from kvsidecar.fleet.routing import FleetRouter

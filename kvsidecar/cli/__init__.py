@@ -24,12 +24,12 @@ from typing import Any, TypeAlias
 import httpx
 
 from kvsidecar import __version__
-from kvsidecar.api_models import VERDICT_ORDER
-from kvsidecar.cli_config import add_config_commands, config_arg
-from kvsidecar.cli_fleet import add_fleet_commands
-from kvsidecar.cli_systemd import add_install_systemd
-from kvsidecar.cli_text import render_doctor, render_gc, render_sessions, render_show, render_status
-from kvsidecar.cli_text import table as table  # re-exported: tests import it from here
+from kvsidecar.api.models import VERDICT_ORDER
+from kvsidecar.cli.config import add_config_commands, config_arg
+from kvsidecar.cli.fleet import add_fleet_commands
+from kvsidecar.cli.systemd import add_install_systemd
+from kvsidecar.cli.text import render_doctor, render_gc, render_sessions, render_show, render_status
+from kvsidecar.cli.text import table as table  # re-exported: tests import it from here
 from kvsidecar.config import Config, find_config, load_config
 from kvsidecar.errors import KvError
 from kvsidecar.logs import configure
@@ -51,7 +51,7 @@ def _load(args: argparse.Namespace) -> Config:
 
 # talking to the daemon -------------------------------------------------------------------------------
 def _call(config: Config, method: str, path: str, **kwargs: Any) -> Any:
-    from kvsidecar.service import read_token
+    from kvsidecar.daemon.service import read_token
 
     token = read_token(config)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -83,7 +83,7 @@ def _emit(args: argparse.Namespace, data: Any, render: Callable[[Any], str]) -> 
 
 # commands ---------------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvsidecar.service import serve
+    from kvsidecar.daemon.service import serve
 
     config = _load(args)
     configure(config.logging.level, config.logging.format)
@@ -170,7 +170,7 @@ def cmd_session_op(args: argparse.Namespace) -> int:
 
 def _offline_gc(config: Config) -> dict[str, Any]:
     from kvsidecar.metrics import Metrics
-    from kvsidecar.retention import RetentionJob
+    from kvsidecar.retention.job import RetentionJob
     from kvsidecar.store.snapshots import SnapshotStore
 
     store = SnapshotStore(
@@ -197,7 +197,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def _offline_doctor(config: Config, deep: bool) -> dict[str, Any]:
     from kvsidecar.backend.llamacpp import LlamaCppBackend
-    from kvsidecar.doctor import Doctor
+    from kvsidecar.doctor.checks import Doctor
 
     async def run() -> dict[str, Any]:
         reports = []

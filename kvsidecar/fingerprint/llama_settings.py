@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvsidecar.store.llama_args import BY_ENV, BY_NAME, LlamaOption
+from kvsidecar.fingerprint.llama_args import BY_ENV, BY_NAME, LlamaOption
 
 # Environment variables outside the option table that are fingerprinted, and the harmless ones among them.
 _ENV_PREFIXES = ("LLAMA_", "GGML_", "MTMD_")

@@ -38,7 +38,7 @@ from kvsidecar.errors import (
 )
 
 if TYPE_CHECKING:
-    from kvsidecar.router import Param, Route
+    from kvsidecar.http.router import Param, Route
 
 _PARAM = re.compile(r"\{(\w+)\}")
 BEARER = "bearer"  # the security scheme's name in the document

@@ -24,23 +24,23 @@ import uvicorn
 from fastapi import FastAPI
 from starlette.types import ASGIApp
 
-from kvsidecar.api import create_app, is_loopback
+from kvsidecar.api.routes import create_app, is_loopback
 from kvsidecar.backend.base import KvBackend
 from kvsidecar.backend.llamacpp import LlamaCppBackend
 from kvsidecar.config import Config, load_config
-from kvsidecar.config_errors import ConfigInvalid
+from kvsidecar.config.errors import ConfigInvalid
 from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.coordinator.server import ProcessFinder
+from kvsidecar.daemon.lifecycle import NotifyingServer, ReadyGate, Stopper, SystemdNotifier, stop_signals
+from kvsidecar.daemon.statelock import StateLock
 from kvsidecar.errors import ConfigError, ListenInUse
-from kvsidecar.lifecycle import NotifyingServer, ReadyGate, Stopper, SystemdNotifier, stop_signals
-from kvsidecar.listener import Limits, ListenerState, bearer_credential, protocol_for
+from kvsidecar.fingerprint.runtime import FileDigestCache, find_llama_process
+from kvsidecar.fingerprint.savepath import SetupWarning, log_save_path_warnings
+from kvsidecar.http.listener import Limits, ListenerState, bearer_credential, protocol_for
 from kvsidecar.logs import event, reconfigure
 from kvsidecar.metrics import Metrics
-from kvsidecar.proxy import Proxy
-from kvsidecar.retention import Policy, RetentionJob
-from kvsidecar.savepath import SetupWarning, log_save_path_warnings
-from kvsidecar.statelock import StateLock
-from kvsidecar.store.fingerprint import FileDigestCache, find_llama_process
+from kvsidecar.proxy.app import Proxy
+from kvsidecar.retention.job import Policy, RetentionJob
 from kvsidecar.store.snapshots import SnapshotStore
 from kvsidecar.store.watcher import SnapshotWatcher
 

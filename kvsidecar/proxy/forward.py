@@ -31,15 +31,15 @@ from kvsidecar.backend.llama_http import SLOT_HEADERS, find_timings, prompt_ms, 
 from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.errors import BackendUnavailable, KvError, OperationTimeout
 from kvsidecar.logs import event
-from kvsidecar.proxy_answers import error_answer
-from kvsidecar.proxy_anthropic import (
+from kvsidecar.proxy.answers import error_answer
+from kvsidecar.proxy.anthropic import (
     ConversionError,
     anthropic_error,
     chat_answer_to_message_bytes,
     error_to_anthropic,
 )
-from kvsidecar.proxy_anthropic_stream import StreamTransducer
-from kvsidecar.upstream import Response, Upstream, UpstreamError, UpstreamTimeout
+from kvsidecar.proxy.anthropic_stream import StreamTransducer
+from kvsidecar.proxy.upstream import Response, Upstream, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger("kvsidecar.proxy")
 T = TypeVar("T")

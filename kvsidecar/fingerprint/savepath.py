@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvsidecar.config import ServerConfig
+from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.logs import event
-from kvsidecar.store.llama_process import ProcessInfo
 
 log = logging.getLogger("kvsidecar.service")
 

@@ -26,9 +26,14 @@ from urllib.parse import urlsplit
 
 import psutil
 
-from kvsidecar.store.file_digests import file_identity
-from kvsidecar.store.llama_args import BY_ENV
-from kvsidecar.store.llama_settings import RuntimeSettings, fingerprinted_env, legacy_flags, parse_settings
+from kvsidecar.fingerprint.file_digests import file_identity
+from kvsidecar.fingerprint.llama_args import BY_ENV
+from kvsidecar.fingerprint.llama_settings import (
+    RuntimeSettings,
+    fingerprinted_env,
+    legacy_flags,
+    parse_settings,
+)
 
 log = logging.getLogger("kvsidecar.fingerprint")
 

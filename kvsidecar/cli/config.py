@@ -18,7 +18,7 @@ from typing import Any, TypeAlias
 import pydantic
 
 from kvsidecar.config import DEFAULT_CONFIG_PATH, Config, config_search_paths, find_config, read_config
-from kvsidecar.config_errors import ConfigInvalid
+from kvsidecar.config.errors import ConfigInvalid
 from kvsidecar.errors import ConfigError, ConfigExists
 from kvsidecar.store.atomic import atomic_write_bytes
 
@@ -145,7 +145,7 @@ def _source_note(source_path: Path | None, searched: tuple[Path, ...], *, empty:
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
-    from kvsidecar.service import read_token
+    from kvsidecar.daemon.service import read_token
 
     try:
         config, source = read_config(args.config)

@@ -1,7 +1,7 @@
 """What the Python clients send and how they read the answer: one definition for both transports.
 
-`AsyncKvSidecar` (kvsidecar/client.py) and `KvSidecar` (kvsidecar/client_sync.py) only send the `Call`s
-built here and hand the response to `Call.parse`; the request bodies, the paths (every client string is
+`AsyncKvSidecar` (kvsidecar/client/__init__.py) and `KvSidecar` (kvsidecar/client/sync.py) only send the
+`Call`s built here and hand the response to `Call.parse`; the request bodies, the paths (every client string is
 percent-encoded into one path segment), the error mapping and the shape checks of the answers live here.
 """
 

@@ -1,7 +1,7 @@
 """The Python clients of the hook API, for harnesses and tests: `KvSidecar` (blocking) and `AsyncKvSidecar`.
 
 Like the openai SDK's `OpenAI` / `AsyncOpenAI`, the two have the same methods, arguments, results and
-errors; one module (kvsidecar/client_wire.py) builds every request and reads every answer, and each class
+errors; one module (kvsidecar/client/wire.py) builds every request and reads every answer, and each class
 only sends them.
 
     with KvSidecar("http://127.0.0.1:8377", token=token) as kv:
@@ -23,9 +23,9 @@ from typing import Any, TypeVar
 
 import httpx
 
-from kvsidecar import client_wire as wire
-from kvsidecar.client_sync import KvSidecar
-from kvsidecar.client_wire import Lease, SidecarError
+from kvsidecar.client import wire
+from kvsidecar.client.sync import KvSidecar
+from kvsidecar.client.wire import Lease, SidecarError
 
 __all__ = ["AsyncKvSidecar", "KvSidecar", "KvSidecarClient", "Lease", "SidecarError"]
 T = TypeVar("T")

@@ -47,15 +47,15 @@ from typing import Any
 import xxhash
 
 from kvsidecar.backend.base import BackendCapabilities
-from kvsidecar.store.file_digests import (
+from kvsidecar.fingerprint.file_digests import (
     FileChanging,
     FileDigestCache,
     file_digest,
     file_identity,
     load_digest_cache,
 )
-from kvsidecar.store.llama_process import MappedFile, ProcessInfo, find_llama_process
-from kvsidecar.store.llama_settings import (
+from kvsidecar.fingerprint.llama_process import MappedFile, ProcessInfo, find_llama_process
+from kvsidecar.fingerprint.llama_settings import (
     PATH_OPTIONS,
     UNKNOWN,
     RuntimeSettings,

@@ -1,7 +1,8 @@
-"""`KvSidecar`: the blocking twin of `AsyncKvSidecar` (kvsidecar/client.py), for harnesses without a loop.
+"""`KvSidecar`: the blocking twin of `AsyncKvSidecar` (kvsidecar/client/__init__.py), for harnesses
+without a loop.
 
 Same methods, arguments, results and errors; the requests and the reading of answers are
-kvsidecar/client_wire.py's, shared with the async client. Import it from `kvsidecar.client`.
+kvsidecar/client/wire.py's, shared with the async client. Import it from `kvsidecar.client`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from typing import Any, TypeVar
 
 import httpx
 
-from kvsidecar import client_wire as wire
-from kvsidecar.client_wire import Lease
+from kvsidecar.client import wire
+from kvsidecar.client.wire import Lease
 
 T = TypeVar("T")
 

@@ -66,8 +66,8 @@ from kvsidecar.errors import (
     Unauthorized,
     http_status,
 )
-from kvsidecar.listener import token_matches
-from kvsidecar.openapi import document
+from kvsidecar.http.listener import token_matches
+from kvsidecar.http.openapi import document
 
 log = logging.getLogger("kvsidecar.api")
 M = TypeVar("M", bound=BaseModel)

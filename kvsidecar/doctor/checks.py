@@ -19,14 +19,14 @@ from kvsidecar.backend.base import BackendCapabilities, BackendSlot, KvBackend
 from kvsidecar.buildcheck import cpu_info, isa_flags
 from kvsidecar.config import Config, Mode, ServerConfig
 from kvsidecar.errors import DirMoved, KvError
-from kvsidecar.gguf_meta import GgufError, read_metadata, sliding_window
-from kvsidecar.retention import free_floor_bytes
-from kvsidecar.savepath import llama_save_dir
+from kvsidecar.fingerprint.gguf_meta import GgufError, read_metadata, sliding_window
+from kvsidecar.fingerprint.llama_exit import crash_hint, recent_crashes, unit_of
+from kvsidecar.fingerprint.runtime import ProcessInfo, find_llama_process, model_proof
+from kvsidecar.fingerprint.savepath import llama_save_dir
+from kvsidecar.retention.job import free_floor_bytes
 from kvsidecar.store.atomic import atomic_write_bytes
 from kvsidecar.store.confined import DIR_MOVED, DirAnchor, lstat_at
-from kvsidecar.store.fingerprint import ProcessInfo, find_llama_process, model_proof
 from kvsidecar.store.integrity import header_from_fd
-from kvsidecar.store.llama_exit import crash_hint, recent_crashes, unit_of
 from kvsidecar.store.state_format import KNOWN_VERSIONS as STATE_VERSIONS
 
 Status = Literal["OK", "WARN", "FAIL", "SKIP"]

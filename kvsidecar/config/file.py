@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, SequenceNode
 
-from kvsidecar.config_errors import ConfigInvalid
+from kvsidecar.config.errors import ConfigInvalid
 from kvsidecar.errors import ConfigError
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"

@@ -26,7 +26,7 @@ from typing import Final
 
 import xxhash
 
-from kvsidecar.client_content import KnownConversation, Normalized, conversation_id, find_conversation
+from kvsidecar.proxy.client_content import KnownConversation, Normalized, conversation_id, find_conversation
 
 MAX_CREDENTIALS: Final = 64  # credentials remembered (least recently used dropped first)
 MAX_PER_CREDENTIAL: Final = 256  # conversations remembered per credential

@@ -10,7 +10,7 @@ ARITY is how many values follow the flag (0: a switch). The canonical name of an
 name without the dashes (`-ctk`, `--cache-type-k` and `LLAMA_ARG_CACHE_TYPE_K` are all `cache-type-k`).
 llama.cpp reads `ENV` before the command line; for an option with negated names it also reads
 `ENV` with `LLAMA_ARG_` replaced by `LLAMA_ARG_NO_` (present with any value = off). A flag or variable that is
-not in this table is not thereby harmless: the fingerprint records it (see kvsidecar/store/fingerprint.py).
+not in this table is not thereby harmless: the fingerprint records it (see kvsidecar/fingerprint/runtime.py).
 """
 
 from __future__ import annotations

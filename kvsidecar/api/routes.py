@@ -17,11 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
-from kvsidecar import __version__, api_models
-from kvsidecar.client_wire import segment
+from kvsidecar import __version__
+from kvsidecar.api import models as api_models
+from kvsidecar.client.wire import segment
 from kvsidecar.config import is_loopback
 from kvsidecar.coordinator.core import Coordinator, EventType, ReleaseStatus
-from kvsidecar.doctor import Doctor
+from kvsidecar.doctor.checks import Doctor
 from kvsidecar.errors import (
     BackendUnavailable,
     BackendUnsupported,
@@ -41,8 +42,7 @@ from kvsidecar.errors import (
     SnapshotIncompatible,
     SnapshotNotFound,
 )
-from kvsidecar.retention import RetentionJob
-from kvsidecar.router import (
+from kvsidecar.http.router import (
     Call,
     ClientGone,
     Handler,
@@ -54,6 +54,7 @@ from kvsidecar.router import (
     read_body,
     refuse,
 )
+from kvsidecar.retention.job import RetentionJob
 from kvsidecar.store.naming import validate_session_id
 
 if TYPE_CHECKING:

@@ -14,9 +14,9 @@ import os
 import stat
 
 from kvsidecar.errors import KvError
+from kvsidecar.fingerprint.runtime import RuntimeFingerprint
 from kvsidecar.store.atomic import atomic_write_at
 from kvsidecar.store.confined import ConfinedDir, read_capped
-from kvsidecar.store.fingerprint import RuntimeFingerprint
 from kvsidecar.store.jsonlimits import JsonLimitError, loads_capped
 
 _MAX_BYTES = 1 << 20
