@@ -29,7 +29,8 @@ from kvsidecar.backend.llamacpp import LlamaCppBackend
 from kvsidecar.config import config_from_mapping
 from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.coordinator.state import AcquireResult
-from kvsidecar.fingerprint.runtime import FileDigestCache, find_llama_process
+from kvsidecar.fingerprint.file_digests import FileDigestCache
+from kvsidecar.fingerprint.llama_process import find_llama_process
 from kvsidecar.store.snapshots import SnapshotStore
 from kvsidecar.testing.llama import LlamaServer, Timings, complete, llama_server_binary, vocab_dir, words
 from kvsidecar.testing.models import ModelShape, gemma3_270m, generate_llama_model

@@ -1,7 +1,7 @@
 """Cost of the runtime fingerprint's whole-file model digest (issue 16 item 3).
 
 A multi-GB model file (4 GiB of incompressible data by default) is hashed with xxh3-128 as
-`kvsidecar.fingerprint.runtime.file_digest` does it: with the page cache dropped for the file
+`kvsidecar.fingerprint.file_digests.file_digest` does it: with the page cache dropped for the file
 (POSIX_FADV_DONTNEED after an fsync; on a VM the host may still cache it), with the file in the page cache,
 and, for the CPU bound, a sparse file of the same size (holes read as zeros without I/O). Each figure is
 set beside a plain read of the same file in the same run. Then `FileDigestCache.digest()` on the unchanged
@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import summary, write
 
-from kvsidecar.fingerprint.runtime import FileDigestCache, file_digest
+from kvsidecar.fingerprint.file_digests import FileDigestCache, file_digest
 
 _CHUNK = 64 << 20
 

@@ -17,7 +17,8 @@ from common import summary, write
 
 from kvsidecar.config import RetentionConfig
 from kvsidecar.metrics import Metrics
-from kvsidecar.retention.job import Disk, FileInfo, Kind, Policy, RetentionJob, plan
+from kvsidecar.retention.job import RetentionJob
+from kvsidecar.retention.plan import Disk, FileInfo, Kind, Policy, plan
 from kvsidecar.store.snapshots import SnapshotStore
 
 ROOMY = Disk(total_bytes=10**13, free_bytes=10**13)

@@ -69,6 +69,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "integration" in str(item.path):
             item.add_marker(pytest.mark.integration)
+        # Fleet mode's tests against a real redis-server: `-m "not redis"` leaves them out.
+        if "redis_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.redis)
     if os.environ.get("KVSIDECAR_SKIP_INTEGRATION") == "1" and not os.environ.get("CI"):
         skip = pytest.mark.skip(reason="KVSIDECAR_SKIP_INTEGRATION=1 (never honoured in CI)")
         for item in items:

@@ -10,6 +10,7 @@ that is present only sometimes is `Absent[X]` (optional, never null).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -276,6 +277,12 @@ class StatusResponse(BaseModel):
 # -- doctor and gc -----------------------------------------------------------------------------------------
 Verdict = Literal["READY", "DEGRADED", "NOT READY"]
 VERDICT_ORDER: tuple[Verdict, ...] = ("READY", "DEGRADED", "NOT READY")  # the worst server's is the answer
+
+
+def worst_verdict(results: Iterable[str]) -> str:
+    """The doctor's answer over several servers (the daemon's and the CLI's offline one): the worst."""
+    order: list[str] = list(VERDICT_ORDER)
+    return max(results, key=order.index)
 
 
 class DoctorCheck(BaseModel):

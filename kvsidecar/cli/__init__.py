@@ -1,5 +1,6 @@
-"""The `kvsidecar` command: a thin adapter over the service, the client, the store and the doctor
-(its text output is in `cli_text`; `install-systemd` is in `cli_systemd`, `config` in `cli_config`).
+"""The `kvsidecar` command: a thin adapter over the daemon, the hook-API client (`kvsidecar.client`: every
+call to a running daemon), the store and the doctor (its text output is in `cli.text`; `install-systemd` is
+in `cli.systemd`, `config` in `cli.config`, `fleet` in `cli.fleet`).
 
 Exit codes: 0 success (doctor: READY); 1 the operation failed (doctor: NOT READY); 2 bad usage or
 configuration, or (serve) another daemon holds the state directory or a listen address is taken, or
@@ -17,19 +18,20 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeAlias
 
 import httpx
 
 from kvsidecar import __version__
-from kvsidecar.api.models import VERDICT_ORDER
+from kvsidecar.api.models import worst_verdict
 from kvsidecar.cli.config import add_config_commands, config_arg
 from kvsidecar.cli.fleet import add_fleet_commands
 from kvsidecar.cli.systemd import add_install_systemd
 from kvsidecar.cli.text import render_doctor, render_gc, render_sessions, render_show, render_status
 from kvsidecar.cli.text import table as table  # re-exported: tests import it from here
+from kvsidecar.client import KvSidecar, SidecarError
 from kvsidecar.config import Config, find_config, load_config
 from kvsidecar.errors import KvError
 from kvsidecar.logs import configure
@@ -50,31 +52,30 @@ def _load(args: argparse.Namespace) -> Config:
 
 
 # talking to the daemon -------------------------------------------------------------------------------
-def _call(config: Config, method: str, path: str, **kwargs: Any) -> Any:
-    from kvsidecar.daemon.service import read_token
+@contextlib.contextmanager
+def _daemon(config: Config) -> Iterator[KvSidecar]:
+    """The hook-API client (`kvsidecar.client`) for the configured daemon: its unix socket when there is
+    one, else TCP. A daemon that cannot be reached raises `Unreachable` (exit 3); its error answers are
+    `SidecarError` (exit 1, see `_run`)."""
+    from kvsidecar.daemon.listen import read_token
 
     token = read_token(config)
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
     if config.api.unix_socket is not None and Path(config.api.unix_socket).exists():
-        transport = httpx.HTTPTransport(uds=str(config.api.unix_socket))
-        base = "http://localhost"
+        base, uds, transport = "http://localhost", str(config.api.unix_socket), None
     else:
+        base, uds = f"http://{config.api.listen}", None
         transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        base = f"http://{config.api.listen}"
     try:
-        with httpx.Client(base_url=base, headers=headers, transport=transport, timeout=600) as client:
-            response = client.request(method, path, **kwargs)
+        with KvSidecar(base, token=token, uds=uds, transport=transport, timeout_s=600) as kv:
+            yield kv
     except httpx.TransportError as exc:
         raise Unreachable(f"kvsidecar is not reachable at {base} ({exc})") from None
-    data = (
-        response.json() if response.headers.get("content-type", "").startswith("application/json") else None
-    )
-    if response.status_code >= 400:
-        err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
-        raise RuntimeError(
-            f"{err.get('code', response.status_code)}: {err.get('message', response.text[:200])}"
-        )
-    return data
+
+
+def _failure(exc: SidecarError) -> str:
+    """How an error answer is shown: the daemon's code (the HTTP status for an answer that is not the
+    daemon's) and its message."""
+    return f"{exc.status if exc.code == 'KV_HTTP_ERROR' else exc.code}: {exc.message}"
 
 
 def _emit(args: argparse.Namespace, data: Any, render: Callable[[Any], str]) -> None:
@@ -102,7 +103,8 @@ def cmd_wait_ready(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         try:
-            _call(config, "GET", "/healthz")
+            with _daemon(config) as kv:
+                kv.health()
             return EXIT_OK
         except Unreachable:
             time.sleep(0.2)
@@ -111,7 +113,8 @@ def cmd_wait_ready(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    _emit(args, _call(_load(args), "GET", "/v1/status"), render_status)
+    with _daemon(_load(args)) as kv:
+        _emit(args, kv.status(), render_status)
     return EXIT_OK
 
 
@@ -120,11 +123,7 @@ def _offline_sessions(config: Config) -> list[dict[str, Any]]:
     from kvsidecar.coordinator.views import session_view
     from kvsidecar.store.snapshots import SnapshotStore
 
-    store = SnapshotStore(
-        state_dir=config.state_dir,
-        snapshot_dirs={n: s.snapshot_dir for n, s in config.servers.items()},
-        shared_dir=config.fleet.metadata_dir(),
-    )
+    store = SnapshotStore.from_config(config)
     store.load_readonly()
     views = (
         session_view(m, None, None, full_id=False) for m in sorted(store.all(), key=lambda m: m.updated_at)
@@ -135,9 +134,11 @@ def _offline_sessions(config: Config) -> list[dict[str, Any]]:
 def cmd_sessions(args: argparse.Namespace) -> int:
     config = _load(args)
     try:
-        views = (
-            _offline_sessions(config) if args.offline else _call(config, "GET", "/v1/sessions")["sessions"]
-        )
+        if args.offline:
+            views = _offline_sessions(config)
+        else:
+            with _daemon(config) as kv:
+                views = kv.sessions()
     except Unreachable:
         print("kvsidecar: daemon not reachable; listing the state directory instead", file=sys.stderr)
         views = _offline_sessions(config)
@@ -146,24 +147,20 @@ def cmd_sessions(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    data = _call(_load(args), "GET", f"/v1/sessions/{args.session}")
+    with _daemon(_load(args)) as kv:
+        data = kv.session(args.session)
     _emit(args, data, render_show)
     return EXIT_OK
 
 
 def cmd_session_op(args: argparse.Namespace) -> int:
-    config = _load(args)
-    if args.command == "purge":
-        data = _call(config, "DELETE", f"/v1/sessions/{args.session}")
-    elif args.command == "restore":
-        data = _call(
-            config,
-            "POST",
-            f"/v1/sessions/{args.session}/restore",
-            json={"provider": args.provider, "model": args.model},
-        )
-    else:
-        data = _call(config, "POST", f"/v1/sessions/{args.session}/{args.command}")
+    with _daemon(_load(args)) as kv:
+        if args.command == "restore":
+            data = kv.restore(args.session, provider=args.provider, model=args.model)
+        else:  # save, invalidate, purge
+            data = {"save": kv.save, "invalidate": kv.invalidate, "purge": kv.purge}[args.command](
+                args.session
+            )
     _emit(args, data, lambda d: ", ".join(f"{k}: {v}" for k, v in d.items()))
     return EXIT_OK
 
@@ -173,11 +170,7 @@ def _offline_gc(config: Config) -> dict[str, Any]:
     from kvsidecar.retention.job import RetentionJob
     from kvsidecar.store.snapshots import SnapshotStore
 
-    store = SnapshotStore(
-        state_dir=config.state_dir,
-        snapshot_dirs={n: s.snapshot_dir for n, s in config.servers.items()},
-        shared_dir=config.fleet.metadata_dir(),
-    )
+    store = SnapshotStore.from_config(config)
     store.load_readonly()
     job = RetentionJob(store=store, config=config.retention, metrics=Metrics(), protected_keys=set)
     return asyncio.run(job.run(dry_run=True))
@@ -190,7 +183,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
             print("kvsidecar: offline gc is always a dry run (the daemon owns deletion)", file=sys.stderr)
         report = _offline_gc(config)
     else:
-        report = _call(config, "POST", "/v1/gc", params={"dry_run": str(args.dry_run).lower()})
+        with _daemon(config) as kv:
+            report = kv.gc(dry_run=args.dry_run)
     _emit(args, report, render_gc)
     return EXIT_OK
 
@@ -209,8 +203,7 @@ def _offline_doctor(config: Config, deep: bool) -> dict[str, Any]:
                 )
             finally:
                 await backend.aclose()
-        order = list(VERDICT_ORDER)
-        return {"result": max((r["result"] for r in reports), key=order.index), "servers": reports}
+        return {"result": worst_verdict(r["result"] for r in reports), "servers": reports}
 
     return asyncio.run(run())
 
@@ -220,7 +213,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     try:
         if args.offline:
             raise Unreachable("offline")
-        data = _call(config, "GET", "/v1/doctor", params={"deep": str(args.deep).lower()})
+        with _daemon(config) as kv:
+            data = kv.doctor(deep=args.deep)
     except Unreachable:
         data = _offline_doctor(config, args.deep)  # no daemon: nothing else holds the slot
     _emit(args, data, render_doctor)
@@ -301,12 +295,12 @@ def _add_maintenance_commands(sub: _Commands) -> None:
         "--deep", action="store_true", help="also save, erase, restore and confirm the engine reuses it"
     )
     p.add_argument("--offline", action="store_true", help="check directly, without asking the daemon")
-    add_config_commands(sub)  # config init / check / schema (cli_config)
-    add_fleet_commands(sub)  # fleet status (cli_fleet)
+    add_config_commands(sub)  # config init / check / schema (cli.config)
+    add_fleet_commands(sub)  # fleet status (cli.fleet)
 
 
 def _add_install_commands(sub: _Commands) -> None:
-    add_install_systemd(sub)  # cli_systemd
+    add_install_systemd(sub)  # cli.systemd
     p = _add(
         sub, "wait-ready", cmd_wait_ready, "wait until the daemon answers (systemd readiness)", json_=False
     )
@@ -345,6 +339,9 @@ def _run(args: argparse.Namespace) -> int:
     except Unreachable as exc:
         print(f"kvsidecar: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
+    except SidecarError as exc:  # the daemon's error answer
+        print(f"kvsidecar: {_failure(exc)}", file=sys.stderr)
+        return EXIT_FAILED
     except RuntimeError as exc:
         print(f"kvsidecar: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -145,7 +145,7 @@ def _source_note(source_path: Path | None, searched: tuple[Path, ...], *, empty:
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
-    from kvsidecar.daemon.service import read_token
+    from kvsidecar.daemon.listen import read_token
 
     try:
         config, source = read_config(args.config)

@@ -18,7 +18,7 @@ harness loops.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, TypeVar
 
 import httpx
@@ -38,13 +38,18 @@ class AsyncKvSidecar:
         *,
         token: str | None = None,
         uds: str | None = None,
-        timeout_s: float = wire.DEFAULT_TIMEOUT_S,
+        timeout_s: float | httpx.Timeout = wire.DEFAULT_TIMEOUT_S,
         transport: httpx.AsyncBaseTransport | None = None,
+        trust_env: bool = True,
     ) -> None:
         if transport is None and uds is not None:
             transport = httpx.AsyncHTTPTransport(uds=uds)
         self._http = httpx.AsyncClient(
-            base_url=base_url, headers=wire.headers(token), timeout=timeout_s, transport=transport
+            base_url=base_url,
+            headers=wire.headers(token),
+            timeout=timeout_s,
+            transport=transport,
+            trust_env=trust_env,
         )
 
     async def __aenter__(self) -> AsyncKvSidecar:
@@ -56,9 +61,16 @@ class AsyncKvSidecar:
     async def aclose(self) -> None:
         await self._http.aclose()
 
+    async def send(
+        self, call: wire.Call[Any], *, origin: str | None = None, headers: Mapping[str, str] | None = None
+    ) -> httpx.Response:
+        """The daemon's answer to `call` as it came, errors included (nothing mapped): for a daemon that
+        passes another's answers on (fleet routing). `origin`: another daemon than `base_url`'s."""
+        url = call.path if origin is None else origin.rstrip("/") + call.path
+        return await self._http.request(call.method, url, json=call.body, headers=headers)
+
     async def _send(self, call: wire.Call[T]) -> T:
-        response = await self._http.request(call.method, call.path, json=call.body)
-        return call.parse(response)
+        return call.parse(await self.send(call))
 
     async def _call(self, method: wire.Method, path: str, body: dict[str, Any] | None = None) -> Any:
         """A route's JSON answer as is (kept for tools written against the first client)."""
@@ -142,6 +154,18 @@ class AsyncKvSidecar:
 
     async def status(self) -> dict[str, Any]:
         return await self._send(wire.status())
+
+    async def session(self, session_id: str) -> dict[str, Any]:
+        return await self._send(wire.session(session_id))
+
+    async def gc(self, *, dry_run: bool = False) -> dict[str, Any]:
+        return await self._send(wire.gc(dry_run=dry_run))
+
+    async def doctor(self, *, deep: bool = False) -> dict[str, Any]:
+        return await self._send(wire.doctor(deep=deep))
+
+    async def health(self) -> Any:
+        return await self._send(wire.health())
 
 
 KvSidecarClient = AsyncKvSidecar  # the async client's first name, kept for existing harnesses

@@ -8,7 +8,7 @@ kvsidecar/client/wire.py's, shared with the async client. Import it from `kvside
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
 import httpx
@@ -26,13 +26,18 @@ class KvSidecar:
         *,
         token: str | None = None,
         uds: str | None = None,
-        timeout_s: float = wire.DEFAULT_TIMEOUT_S,
+        timeout_s: float | httpx.Timeout = wire.DEFAULT_TIMEOUT_S,
         transport: httpx.BaseTransport | None = None,
+        trust_env: bool = True,
     ) -> None:
         if transport is None and uds is not None:
             transport = httpx.HTTPTransport(uds=uds)
         self._http = httpx.Client(
-            base_url=base_url, headers=wire.headers(token), timeout=timeout_s, transport=transport
+            base_url=base_url,
+            headers=wire.headers(token),
+            timeout=timeout_s,
+            transport=transport,
+            trust_env=trust_env,
         )
 
     def __enter__(self) -> KvSidecar:
@@ -44,9 +49,16 @@ class KvSidecar:
     def close(self) -> None:
         self._http.close()
 
+    def send(
+        self, call: wire.Call[Any], *, origin: str | None = None, headers: Mapping[str, str] | None = None
+    ) -> httpx.Response:
+        """The daemon's answer to `call` as it came, errors included (nothing mapped). `origin`: another
+        daemon than `base_url`'s."""
+        url = call.path if origin is None else origin.rstrip("/") + call.path
+        return self._http.request(call.method, url, json=call.body, headers=headers)
+
     def _send(self, call: wire.Call[T]) -> T:
-        response = self._http.request(call.method, call.path, json=call.body)
-        return call.parse(response)
+        return call.parse(self.send(call))
 
     def _call(self, method: wire.Method, path: str, body: dict[str, Any] | None = None) -> Any:
         """A route's JSON answer as is (kept for tools written against the first client)."""
@@ -130,3 +142,15 @@ class KvSidecar:
 
     def status(self) -> dict[str, Any]:
         return self._send(wire.status())
+
+    def session(self, session_id: str) -> dict[str, Any]:
+        return self._send(wire.session(session_id))
+
+    def gc(self, *, dry_run: bool = False) -> dict[str, Any]:
+        return self._send(wire.gc(dry_run=dry_run))
+
+    def doctor(self, *, deep: bool = False) -> dict[str, Any]:
+        return self._send(wire.doctor(deep=deep))
+
+    def health(self) -> Any:
+        return self._send(wire.health())

@@ -1,8 +1,9 @@
 """What the Python clients send and how they read the answer: one definition for both transports.
 
 `AsyncKvSidecar` (kvsidecar/client/__init__.py) and `KvSidecar` (kvsidecar/client/sync.py) only send the
-`Call`s built here and hand the response to `Call.parse`; the request bodies, the paths (every client string is
-percent-encoded into one path segment), the error mapping and the shape checks of the answers live here.
+`Call`s built here and hand the response to `Call.parse`; the request bodies, the paths (every client string
+is percent-encoded into one path segment), the error mapping and the shape checks of the answers live here.
+The CLI and the fleet router (which passes a peer's answer on as it came: `send`) use these calls too.
 """
 
 from __future__ import annotations
@@ -230,3 +231,27 @@ def sessions() -> Call[list[dict[str, Any]]]:
 
 def status() -> Call[dict[str, Any]]:
     return Call("GET", "/v1/status", None, _object)
+
+
+def session(session_id: str) -> Call[dict[str, Any]]:
+    """One session in detail (`kvsidecar show`)."""
+    return Call("GET", _session_path(session_id), None, _object)
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def gc(*, dry_run: bool) -> Call[dict[str, Any]]:
+    """Apply retention now, or (`dry_run`) only plan it."""
+    return Call("POST", f"/v1/gc?dry_run={_flag(dry_run)}", None, _object)
+
+
+def doctor(*, deep: bool) -> Call[dict[str, Any]]:
+    """The daemon's check of its llama-servers (`deep`: a save/erase/restore round trip on a held slot)."""
+    return Call("GET", f"/v1/doctor?deep={_flag(deep)}", None, _object)
+
+
+def health() -> Call[Any]:
+    """The liveness probe (no token needed): its answer as is."""
+    return raw("GET", "/healthz")

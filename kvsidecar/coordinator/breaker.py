@@ -38,6 +38,12 @@ class CircuitBreaker:
         self.trial_in_flight = False
         self.last_error: str | None = None
 
+    def configure(self, *, max_consecutive_failures: int, cooldown_s: float) -> None:
+        """SIGHUP: new limits. The current state is kept: an open breaker stays open for the cooldown it
+        opened with, and the new base cooldown applies from its next recovery on."""
+        self.max_consecutive_failures = max_consecutive_failures
+        self.base_cooldown_s = cooldown_s
+
     @property
     def state(self) -> BreakerState:
         if self.opened_at is not None:

@@ -30,7 +30,7 @@ from typing import BinaryIO
 from kvsidecar.backend.base import SaveResult
 from kvsidecar.config import Config
 from kvsidecar.coordinator.canary import canary_name, check_free, remove_at
-from kvsidecar.coordinator.runtime import RuntimeGuard
+from kvsidecar.coordinator.guard import Persisting
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.state import SessionRuntime, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
@@ -58,12 +58,9 @@ class _Proven:
 
 
 class CarryOver:
-    def __init__(
-        self, *, config: Config, store: SnapshotStore, guard: RuntimeGuard, telemetry: Telemetry
-    ) -> None:
+    def __init__(self, *, config: Config, store: SnapshotStore, telemetry: Telemetry) -> None:
         self.config = config
         self.store = store
-        self.guard = guard
         self.telemetry = telemetry
         self._verdicts: Verdicts | None = None
         # state format each build writes (by runtime fingerprint digest), learned by a proof: never by server
@@ -77,6 +74,7 @@ class CarryOver:
 
     async def carry(
         self,
+        load: Persisting,
         srv: ServerRuntime,
         slot: Slot,
         rt: SessionRuntime,
@@ -85,7 +83,8 @@ class CarryOver:
     ) -> str | None:
         """Write a generation of `rt` restorable under `fingerprint` from one saved under another build.
         Returns None when one was written (the caller finds and restores it), else why not (a reason code
-        or a short text, for the outcome and the logs)."""
+        or a short text, for the outcome and the logs). `load`: the guarded load this runs in (its calls to
+        the server are bounded by it; the proof is not a verdict on the server)."""
         if not self.config.restore.carry_over_builds:
             return "carry-over disabled"
         manifest = self.store.get(rt.key)
@@ -105,7 +104,7 @@ class CarryOver:
                 self.telemetry.carry_over(srv.name, rt, "refused", why)
                 return "CARRY_OVER_REFUSED"
             try:
-                return await self._carry(srv, slot, rt, rec, fingerprint)
+                return await self._carry(load, srv, slot, rt, rec, fingerprint)
             except KvError as exc:
                 self.telemetry.carry_over(srv.name, rt, "failed", exc.message)
                 return exc.code
@@ -117,6 +116,7 @@ class CarryOver:
 
     async def _carry(
         self,
+        load: Persisting,
         srv: ServerRuntime,
         slot: Slot,
         rt: SessionRuntime,
@@ -129,7 +129,7 @@ class CarryOver:
         version = self._versions.get(fp.digest)
         detail = "remembered verdict"
         if verdict is not True or version is None:
-            proven = await self._prove(srv, slot, rec, fp)
+            proven = await self._prove(load, srv, slot, rec, fp)
             verdict, version, detail = proven.equal, proven.version, proven.detail
         if not verdict:
             why = f"the new build computes other KV ({detail})"
@@ -144,7 +144,7 @@ class CarryOver:
         return None
 
     async def _prove(
-        self, srv: ServerRuntime, slot: Slot, rec: GenerationRecord, fp: RuntimeFingerprint
+        self, load: Persisting, srv: ServerRuntime, slot: Slot, rec: GenerationRecord, fp: RuntimeFingerprint
     ) -> _Proven:
         """Recompute the snapshot's first rows under the new build and compare them byte for byte."""
         d = self.store.layout.snap[srv.name]
@@ -153,10 +153,10 @@ class CarryOver:
         theirs = llama_save_dir(srv.process)
         backend = srv.backend
         try:
-            await self.guard.persist(srv, backend.erase_slot(slot.id))
-            await self.guard.persist(srv, backend.prefill(slot.id, tokens))
+            await load.call(backend.erase_slot(slot.id))
+            await load.call(backend.prefill(slot.id, tokens))
             await asyncio.to_thread(check_free, d.anchor, name, theirs)
-            saved = await self.guard.persist(srv, backend.save_slot(slot.id, name))
+            saved = await load.call(backend.save_slot(slot.id, name))
             d.anchor.ensure(theirs)
             if saved.tokens <= 0:
                 raise SaveFailed("the carry-over proof saved no tokens")

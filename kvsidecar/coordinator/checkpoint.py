@@ -1,46 +1,25 @@
 """The checkpoint policy: when a session's slot is saved, and what happens to unsaved progress.
 
-The decisions (spec §26-29, §50, §58, §71), each in one method:
+Each decision is a pure function in decisions.py (of the slots, sessions, demand, costs and `now`; the rules
+and their reasons are written there); this module reads their inputs from live state (facts.py), calls
+them, and acts on the answers: timers, saves, counters (spec §26-29, §50, §58, §71):
 - `evict()`: a dirty slot is saved before it is given to another session (Invariant 3), when
-  `checkpoint.on_switch` is on; what is not saved then is gone from the slot.
+  `checkpoint.on_switch` is on, unless the cost-aware policy skips that save (`decisions.skip_save`); what
+  is not saved then is gone from the slot.
 - `touched()` / the idle timer: a dirty session is saved after `idle_s` without requests. One
   `loop.call_later` timer per session; a request only pushes the deadline back, and a timer that fires
   early re-arms itself for the current deadline (spec §71), so the resident hot path does no timer work.
+- clean ahead (cost-aware policy): a timer after each release (`decisions.clean_ahead_delay`), then the
+  check (`clean_ahead()`, `decisions.clean_ahead`), retried whenever a slot is given back and its server is
+  idle (`given_back()`, `decisions.clean_next`). A `turn_end` hint starts the check at once.
+- protect (issue 26): background saves that bound a resident session's unsaved work, at an idle moment of
+  its server (`protect()`, `decisions.protect_choice`); a timer at half the time bound and at the bound
+  (`decisions.protect_check_in`) finds an idle moment that comes while nothing is given back.
 - `on_event()`: lifecycle hints (`flush`, `turn_end`, `step_end`, `disposed`) as configured.
 - `checkpoint_all()`: shutdown.
 
-With `checkpoint.policy: cost-aware` (the default; issue 15) two decisions take the save off the switch,
-using the cost model learned online (costs.py); each falls back to save-before-evict whenever a figure it
-needs is unknown, so its worst case is today's behaviour:
-- *clean ahead*: after a release, once the session has been idle for as long as its save is predicted to
-  take (ski rental: a request of its own that lands during the save waits at most that long again; at
-  once when its recent think times are more than twice its save), and
-  while its server is idle (no slot working, nobody waiting) and its slot is the one the next new session
-  would take, the slot is saved in the background; the switch then finds it clean. A `turn_end` hint
-  starts the check at once. A check that finds the server busy is retried whenever a slot is given back
-  and the server is idle (`given_back`). As many slots are kept clean as switches are coming
-  (`switches_coming`: the sessions that asked lately beyond the server's slots), none when every active
-  session keeps its own slot.
-- *skip a save*: at a switch, when the slot still extends the session's newest saved generation (every
-  turn since reused all of it: append-only history) and recomputing the tokens since is predicted cheaper
-  than writing the whole slot, nothing is saved; the next restore brings the older generation back and
-  llama-server recomputes only the difference.
-
-*Protect* (issue 26): a session that keeps its slot (more sessions never want it than there are slots)
-and calls more often than `idle_s` would otherwise never be saved, and a llama-server crash would cost it
-everything since its last save. Its unsaved work is bounded by `checkpoint.max_unsaved_s` (seconds since
-its first unsaved turn) and `checkpoint.max_unsaved_turns` (0 disables either; both 0 turn all of this
-off), with background saves
-(`protect()`), only ever at an idle moment of its server (no slot working, nobody waiting: llama-server's
-save holds its one main loop) and with the session's own slot free:
-- past a bound (trigger `max_unsaved`): at the next idle moment, whatever the cost model predicts (its
-  own next request may then wait for the save, bounded by the save's time);
-- before that (trigger `background`, cost-aware policy): when the save is predicted to end before the
-  session's next request (released + median think time, with a margin of twice the save), and it is
-  worth it: half a bound has passed, or recomputing the tokens it protects would take longer than the
-  save. One attempt per revision; never a save predicted to outlast half an acquire's wait.
-A request for another slot that arrives during such a save cannot interrupt it inside llama-server: its
-first token is late by at most the rest of that save (the prediction keeps those saves to idle gaps).
+A request for another slot that arrives during a background save cannot interrupt it inside llama-server:
+its first token is late by at most the rest of that save (the predictions keep those saves to idle gaps).
 """
 
 from __future__ import annotations
@@ -48,12 +27,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvsidecar.config import Config
+from kvsidecar.config import CheckpointConfig, Config
+from kvsidecar.coordinator import decisions, facts
 from kvsidecar.coordinator.breaker import BreakerState
-from kvsidecar.coordinator.costs import CostModel, median
+from kvsidecar.coordinator.costs import CostModel, Costs
+from kvsidecar.coordinator.decisions import PROTECT_FORCED as PROTECT_FORCED  # re-exported: the triggers
+from kvsidecar.coordinator.decisions import PROTECT_PREDICTED as PROTECT_PREDICTED
+from kvsidecar.coordinator.decisions import Rules
+from kvsidecar.coordinator.facts import Moment
 from kvsidecar.coordinator.pool import CLEANING, SlotPool, aux_slot_id, owner_slot
 from kvsidecar.coordinator.save import Saver
 from kvsidecar.coordinator.server import ServerRuntime
@@ -62,20 +47,8 @@ from kvsidecar.coordinator.state import AcquireResult, SessionRuntime, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import KvError
 
-_MIN_CLEAN_AHEAD_S = 0.2
-_PROMPT_CLEAN_AHEAD_S = 0.01  # right after the release has been answered
-_THINK_SAMPLES_NEEDED = 2
-_SERVER_THINK_SAMPLES_NEEDED = 4
-
-
-_DEMAND_WINDOW_S = 60.0
-_DEMAND_THINKS = 4
 _DEMAND_KEYS_MAX = 4096  # more sessions than this lately: as good as "always a switch coming"
 _AUX_DEMAND_KEY = "\0auxiliary"  # matches no session key
-_CLEANING_WAIT_FACTOR = 1.5  # a new session waits for a slot being cleaned up to 1.5x its predicted save
-PROTECT_FORCED = "max_unsaved"  # triggers (and slot holders) of protect()'s background saves
-PROTECT_PREDICTED = "background"
-_PROTECT_MARGIN = 2.0  # a predicted background save must fit twice in what is left of the think time
 
 
 class CheckpointPolicy:
@@ -105,6 +78,10 @@ class CheckpointPolicy:
         self.monotonic = monotonic
         self.active = False  # timers are armed only between start() and close()
         self._cleaning: set[str] = set()  # keys with a clean ahead started by given_back, not yet done
+        self._rules_of: CheckpointConfig | None = None  # the configuration _rules_now was built from
+        self._rules_now = Rules()
+        # by server name: session key -> when it last asked for a slot there, oldest first (the demand)
+        self._requested: dict[str, OrderedDict[str, float]] = {}
         telemetry.watch_unsaved(
             servers=servers, sessions=lambda: list(sessions.by_key.values()), monotonic=monotonic
         )
@@ -120,7 +97,7 @@ class CheckpointPolicy:
         """The slot goes to another session (or an auxiliary request): checkpoint its owner first.
         `before_save`: called when that save is about to run (a switch reads its incoming file then)."""
         rt = self.sessions.get(slot.owner)
-        slot.owner = None
+        self.pool.vacate(slot)
         if rt is None:
             return None
         if rt.dirty and self.config.checkpoint.on_switch and not self._skip_save(srv, rt):
@@ -128,30 +105,19 @@ class CheckpointPolicy:
                 before_save()
             # overlap: the commit (checksum, manifest) runs while the slot's next session restores
             await self.saver.save(srv, slot, rt, trigger="switch", actions=result.actions, overlap=True)
-        if rt.dirty:  # not saved (policy off or failure): that progress is gone from the slot
-            rt.saved_revision = rt.dirty_revision
+        self.sessions.give_up_unsaved(rt)  # not saved (policy off or failure): that progress is gone
         self.sessions.apply(rt, SessionEvent.EVICTED)
         return rt.identity.short
 
     def _skip_save(self, srv: ServerRuntime, rt: SessionRuntime) -> bool:
         """Cost-aware: is recomputing since the newest saved generation cheaper than saving the slot?"""
-        if self.config.checkpoint.policy != "cost-aware" or not rt.append_only:
+        fingerprint = srv.fingerprint.digest if srv.fingerprint is not None else None
+        newest = facts.newest_generation(rt, self.sessions.store.get(rt.key))
+        session = facts.session_facts(rt.key, rt, self.monotonic(), cleaning=False, newest=newest)
+        skip = decisions.skip_save(session, self._costs(srv.name), self._rules(), fingerprint)
+        if skip is None:
             return False
-        base, now, fingerprint = rt.base_tokens, rt.context_tokens, srv.fingerprint
-        if base is None or now is None or now <= base or fingerprint is None:
-            return False
-        # The generation the slot extends must be the newest valid one and restorable on this runtime.
-        manifest = self.sessions.store.get(rt.key)
-        valid = [(g, r) for g, r in manifest.ordered_generations() if r.valid] if manifest else []
-        if not valid or valid[0][0] != rt.base_generation or valid[0][1].tokens != base:
-            return False
-        if valid[0][1].fingerprint != fingerprint.digest or (valid[0][0], fingerprint.digest) in rt.refused:
-            return False
-        costs = self.costs.server(srv.name)
-        recompute_s, save_s = costs.prefill_s(now - base), costs.save_s(now)
-        if recompute_s is None or save_s is None or recompute_s >= save_s:
-            return False
-        self.telemetry.save_skipped(srv.name, rt, "recompute_cheaper", recompute_s, save_s)
+        self.telemetry.save_skipped(srv.name, rt, "recompute_cheaper", skip.recompute_s, skip.save_s)
         return True
 
     async def checkpoint(self, rt: SessionRuntime, trigger: str, *, only_revision: int | None = None) -> bool:
@@ -196,8 +162,7 @@ class CheckpointPolicy:
         """The session ran: push its idle deadline back (a timer only if none is pending), and under the
         cost-aware policy arm its clean-ahead check for when it has been idle as long as a save takes."""
         now = self.monotonic()
-        if rt.dirty_since is None or rt.dirty_since_rev != rt.saved_revision:  # its first unsaved turn
-            rt.dirty_since, rt.dirty_since_rev = now, rt.saved_revision
+        self.sessions.mark_unsaved(rt, now)  # since its first unsaved turn
         self._arm_protect(rt, now)
         self._arm_clean_ahead(rt)
         idle_s = self.config.checkpoint.idle_s
@@ -233,30 +198,18 @@ class CheckpointPolicy:
     def _arm_clean_ahead(self, rt: SessionRuntime) -> None:
         rt.cancel_clean_ahead()
         rt.clean_due_at = None
-        if self.config.checkpoint.policy != "cost-aware" or not self.active or rt.context_tokens is None:
+        if self.config.checkpoint.policy != "cost-aware" or not self.active:
             return
-        save_s = self.costs.server(rt.identity.server).save_s(rt.context_tokens)
-        if save_s is None:
-            return  # nothing learned yet: save-before-evict until the first save has been measured
-        # Ski rental: wait as long as the save takes, so a request of its own that lands during the save
-        # waits at most that long again. When this session's think times are known to be much longer
-        # than its save, its own request is unlikely to land during it: start as soon as it is released.
-        delay_s = max(_MIN_CLEAN_AHEAD_S, save_s)
-        think = self._thinkmedian(rt)
-        if think is not None and think > 2 * save_s:
-            delay_s = _PROMPT_CLEAN_AHEAD_S
+        now = self.monotonic()
+        costs = self._costs(rt.identity.server)
+        delay_s = decisions.clean_ahead_delay(rt.context_tokens, rt.think_s, costs)
+        if delay_s is None:
+            return
         key, revision = rt.key, rt.dirty_revision
-        rt.clean_due_at = self.monotonic() + delay_s
+        rt.clean_due_at = now + delay_s
         rt.clean_timer = asyncio.get_running_loop().call_later(
             delay_s, lambda: self.spawn(self._clean_ahead_timer(key, revision))
         )
-
-    def _thinkmedian(self, rt: SessionRuntime) -> float | None:
-        """The session's own median think time once it has a few, else its server's (every session's)."""
-        if len(rt.think_s) >= _THINK_SAMPLES_NEEDED:
-            return median(rt.think_s)
-        server_think = self.costs.server(rt.identity.server).think_s
-        return median(server_think) if len(server_think) >= _SERVER_THINK_SAMPLES_NEEDED else None
 
     async def _clean_ahead_timer(self, key: str, revision: int) -> None:
         rt = self.sessions.get(key)
@@ -273,37 +226,27 @@ class CheckpointPolicy:
         working, say) is retried here instead of being lost until the switch pays for it. One at a time: the
         save's own give-back comes here again for the next one. Else, a resident session whose unsaved work
         is due is saved (`protect`)."""
-        if not self.active or srv.waiters:
+        if not self.active or self.pool.queued(srv):
             return
-        if not self._clean_next(srv):
-            self.protect(srv)
+        cleaning = self._cleaning_on()
+        moment = self._moment(srv, coming=self.switches_coming(srv) if cleaning else 0)  # read once, for both
+        if not (cleaning and self._clean_next(moment)):
+            self.protect(srv, moment)
 
-    def _clean_next(self, srv: ServerRuntime) -> bool:
+    def _clean_next(self, moment: Moment) -> bool:
         """given_back's clean ahead: True if one was started (then no protect() save starts now)."""
-        if not self._cleaning_on():
+        key = decisions.clean_next(moment.server, moment.sessions, self._rules(), moment.now)
+        rt = self.sessions.get(key)
+        if rt is None:
             return False
-        if not self.config.checkpoint.clean_ahead_while_busy and self._working(srv):
-            return False
-        now = self.monotonic()
-        for slot in self.next_victims(srv):
-            rt = self.sessions.get(slot.owner)
-            if rt is None or rt.clean_timer is not None or rt.clean_due_at is None:
-                continue  # its own timer is still to come (and will check then), or a request voided it
-            if rt.key not in self._cleaning and now >= rt.clean_due_at:
-                self._cleaning.add(rt.key)
-                self.spawn(self._clean_ahead_quietly(rt))
-                return True
-        return False
+        self._cleaning.add(rt.key)
+        self.spawn(self._clean_ahead_quietly(rt))
+        return True
 
     def _cleaning_on(self) -> bool:
         """Clean ahead is in force: cost-aware policy, saves at switches on (SIGHUP may change either)."""
         cp = self.config.checkpoint
         return self.active and cp.policy == "cost-aware" and cp.on_switch
-
-    @staticmethod
-    def _working(srv: ServerRuntime, but: Slot | None = None) -> bool:
-        """A slot of the server (other than `but`) is held: an inference, or a save of its own."""
-        return any(not s.free for s in srv.slots.values() if s is not but)
 
     async def _clean_ahead_quietly(self, rt: SessionRuntime) -> None:
         try:
@@ -322,52 +265,30 @@ class CheckpointPolicy:
             if aux_slot_id(srv) is not None:
                 return
             key = _AUX_DEMAND_KEY
-        recent = srv.requested_at
+        recent = self.requested_at(srv)
         recent[key] = self.monotonic()
         recent.move_to_end(key)
         if len(recent) > _DEMAND_KEYS_MAX:  # expired ones go first when counted (switches_coming)
             recent.popitem(last=False)
 
-    def _prune(self, srv: ServerRuntime) -> None:
-        think = median(self.costs.server(srv.name).think_s)
-        window = max(_DEMAND_WINDOW_S, _DEMAND_THINKS * think) if think is not None else _DEMAND_WINDOW_S
-        cutoff = self.monotonic() - window
-        recent = srv.requested_at
-        while recent and next(iter(recent.values())) < cutoff:
-            recent.popitem(last=False)
+    def requested_at(self, srv: ServerRuntime) -> OrderedDict[str, float]:
+        """The server's recent demand: session key -> when it last asked for a slot, oldest first."""
+        recent = self._requested.get(srv.name)
+        if recent is None:
+            recent = self._requested[srv.name] = OrderedDict()
+        return recent
 
     def switches_coming(self, srv: ServerRuntime) -> int:
-        """How many more sessions asked this server for a slot lately than it has slots for them: the slots
-        that will change hands, so the number worth keeping clean. At 0 (every active session keeps its own
-        slot) a background save is a stall of the other slots for nothing; the idle timer still saves a
-        session that went quiet. Lately: the last minute, or four of the server's median think times.
-        Auxiliary requests count as one more session when no slot is reserved for them."""
+        """How many more sessions asked this server for a slot lately than it has slots for them
+        (decisions.switches_coming); the requests that have left the window are forgotten here."""
         aux = aux_slot_id(srv)
         slots = sum(1 for i in srv.slots if i != aux)
-        if len(srv.requested_at) > slots:  # only a count above the slots can change by expiring
-            self._prune(srv)
-        return len(srv.requested_at) - slots
-
-    def next_victims(self, srv: ServerRuntime) -> list[Slot]:
-        """The dirty slots the coming switches will take, in the order they will take them (least recently
-        used first): as many as the switches coming, less the slots already empty, clean or being cleaned."""
-        coming = self.switches_coming(srv)
-        if coming <= 0:
-            return []
-        aux = aux_slot_id(srv)
-        ready, dirty = 0, []
-        for s in srv.slots.values():
-            if s.id == aux:
-                continue
-            if s.holder == CLEANING:
-                ready += 1
-            elif s.free and s.claimed_by is None:
-                if s.owner is not None and self.sessions.is_dirty(s.owner):
-                    dirty.append(s)
-                else:
-                    ready += 1
-        dirty.sort(key=lambda s: s.last_used_at)
-        return dirty[: max(0, coming - ready)]
+        recent = self.requested_at(srv)
+        think_s = self.costs.server(srv.name).think_s
+        demand = decisions.switches_coming(recent.values(), slots, think_s, self.monotonic())
+        for _ in range(demand.expired):
+            recent.popitem(last=False)
+        return demand.coming
 
     async def clean_ahead(self, rt: SessionRuntime) -> bool:
         """Save a dirty, idle session in the background if its server is idle and it is the next victim."""
@@ -375,50 +296,33 @@ class CheckpointPolicy:
         slot = owner_slot(srv, rt.key) if srv else None
         if srv is None or slot is None or not rt.dirty or not self._cleaning_on():
             return False
-        save_s = self.costs.server(srv.name).save_s(rt.context_tokens or 0)
-        wait_s = self.acquire_timeout_s if self.acquire_timeout_s is not None else srv.config.slot_wait_s
-        if save_s is None or save_s > wait_s / 2:
-            # the session's own request, arriving during the save, must never time out waiting for it
-            rt.clean_due_at = None
-            self.telemetry.clean_ahead(srv.name, rt, "too_long")
-            return False
-        if self.switches_coming(srv) <= 0:
-            self.telemetry.clean_ahead(srv.name, rt, "no_switch")
-            return False
-        busy = self._working(srv, but=slot)
-        if not slot.free or srv.waiters or (busy and not self.config.checkpoint.clean_ahead_while_busy):
-            self.telemetry.clean_ahead(srv.name, rt, "busy")
-            return False
-        if slot not in self.next_victims(srv):
-            self.telemetry.clean_ahead(srv.name, rt, "not_victim")
+        moment = self._moment(srv, coming=self.switches_coming(srv))
+        session = facts.session_facts(rt.key, rt, moment.now, cleaning=rt.key in self._cleaning)
+        verdict = decisions.clean_ahead(moment.server, slot.id, session, self._costs(srv.name), self._rules())
+        if verdict.refused is not None:
+            if verdict.refused == decisions.TOO_LONG:
+                rt.clean_due_at = None  # no retry at every give-back: its next release re-arms it
+            self.telemetry.clean_ahead(srv.name, rt, verdict.refused)
             return False
         rt.clean_due_at = None  # one background save attempt per revision (its next release re-arms it)
-        budget_s = _CLEANING_WAIT_FACTOR * save_s + _MIN_CLEAN_AHEAD_S
-        slot.cleaning_until = self.monotonic() + budget_s
+        budget_s = verdict.budget_s
         # past the budget, a new session waiting for this slot takes another: dispatch then re-decides
-        overran = asyncio.get_running_loop().call_later(budget_s, self.pool.dispatch, srv)
-        try:
+        with self.pool.cleaning(srv, slot, budget_s):
             saved = await self.checkpoint(rt, CLEANING, only_revision=rt.dirty_revision)
-        finally:
-            overran.cancel()
-            slot.cleaning_until = None
         self.telemetry.clean_ahead(srv.name, rt, "saved" if saved else "superseded")
         return saved
 
     # protect: bound the unsaved work of sessions that keep their slot (issue 26) ---------------------
     def _arm_protect(self, rt: SessionRuntime, now: float) -> None:
-        """A timer for when its unsaved age reaches half the time bound, then the bound: an idle moment
-        that comes while nothing is given back (the session thinking, the server idle) is not missed."""
+        """A timer for when its unsaved age reaches half the time bound, then the bound."""
         bound = self.config.checkpoint.max_unsaved_s
         if rt.protect_timer is not None or not self.active or not bound or rt.dirty_since is None:
             return
-        due = [t for t in (rt.dirty_since + bound / 2, rt.dirty_since + bound) if t > now]
-        if not due:
+        delay_s = decisions.protect_check_in(rt.dirty_since, bound, now)
+        if delay_s is None:
             return  # past the bound already: the next idle moment (a give-back) saves it
         key = rt.key
-        rt.protect_timer = asyncio.get_running_loop().call_later(
-            min(due) - now, lambda: self._protect_timer(key)
-        )
+        rt.protect_timer = asyncio.get_running_loop().call_later(delay_s, lambda: self._protect_timer(key))
 
     def _protect_timer(self, key: str) -> None:
         rt = self.sessions.get(key)
@@ -428,65 +332,29 @@ class CheckpointPolicy:
         srv = self.servers.get(rt.identity.server)
         if srv is None or not rt.dirty or not self.active:
             return
-        if not srv.waiters:
+        if not self.pool.queued(srv):
             self.protect(srv)
         self._arm_protect(rt, self.monotonic())  # the bound itself, if this was half of it
 
-    def protect_reason(self, srv: ServerRuntime, rt: SessionRuntime, now: float) -> str | None:
-        """Whether a background save of this dirty, idle session is due now, and which (its trigger)."""
-        cp = self.config.checkpoint
-        if not cp.max_unsaved_s and not cp.max_unsaved_turns:
-            return None  # both bounds off: saved only at switches, hints and idle_s (before issue 26)
-        costs = self.costs.server(srv.name)
-        save_s = costs.save_s(rt.context_tokens) if rt.context_tokens else None
-        wait_s = self.acquire_timeout_s if self.acquire_timeout_s is not None else srv.config.slot_wait_s
-        if save_s is not None and save_s > wait_s / 2:
-            return None  # its own request, arriving during the save, must never time out waiting for it
-        age, turns = rt.unsaved_age_s(now), rt.unsaved_turns
-        over_s = bool(cp.max_unsaved_s) and age is not None and age >= cp.max_unsaved_s
-        if over_s or (cp.max_unsaved_turns and turns >= cp.max_unsaved_turns):
-            return PROTECT_FORCED
-        if cp.policy != "cost-aware" or save_s is None or rt.released_at is None:
-            return None
-        think = self._thinkmedian(rt)
-        if think is None or _PROTECT_MARGIN * save_s > rt.released_at + think - now:
-            return None  # its next request is expected before the save would end
-        half = (bool(cp.max_unsaved_s) and age is not None and 2 * age >= cp.max_unsaved_s) or (
-            bool(cp.max_unsaved_turns) and 2 * turns >= cp.max_unsaved_turns
-        )
-        at_risk = rt.unsaved_tokens
-        recompute_s = costs.prefill_s(at_risk) if at_risk else None
-        if half or (recompute_s is not None and recompute_s >= save_s):
-            return PROTECT_PREDICTED
-        return None
-
-    def protect(self, srv: ServerRuntime) -> bool:
+    def protect(self, srv: ServerRuntime, moment: Moment | None = None) -> bool:
         """At an idle moment of the server (no slot held, nobody waiting), start the background save of the
-        resident session whose unsaved work is due (the oldest first). The slot is taken at once, so the
-        next request of that session waits for the save and every other slot sees a working server (no
+        resident session whose unsaved work is due (decisions.protect_choice). The slot is taken at once, so
+        the next request of that session waits for the save and every other slot sees a working server (no
         second background save starts). True if one was started."""
-        if not self.active or srv.waiters or self._working(srv) or not srv.available:
+        if not self.active or not srv.available or srv.fingerprint is None:
             return False
-        if srv.fingerprint is None or srv.breaker.state is BreakerState.OPEN:
+        if srv.breaker.state is BreakerState.OPEN:
             return False
-        now = self.monotonic()
-        due: list[tuple[float, Slot, SessionRuntime, str]] = []
-        for slot in srv.slots.values():
-            rt = self.sessions.get(slot.owner)
-            if rt is None or not rt.dirty or slot.claimed_by is not None:
-                continue
-            if rt.protect_tried == rt.dirty_revision or (rt.pending_commit and not rt.pending_commit.done()):
-                continue  # tried at this revision already (a failure is not retried in a loop), or committing
-            trigger = self.protect_reason(srv, rt, now)
-            if trigger is not None:
-                due.append((rt.unsaved_age_s(now) or 0.0, slot, rt, trigger))
-        if not due:
+        server, owners, now = moment or self._moment(srv)
+        choice = decisions.protect_choice(server, owners, self._costs(srv.name), self._rules(), now)
+        if choice is None:
             return False
-        _, slot, rt, trigger = max(due, key=lambda d: d[0])
-        if not self.pool.try_take(srv, slot, trigger):
+        slot = srv.slots[choice[0]]
+        rt = self.sessions.get(slot.owner)
+        if rt is None or not self.pool.try_take(srv, slot, choice[1]):
             return False
         rt.protect_tried = rt.dirty_revision
-        self.spawn(self._protect_save(srv, slot, rt, trigger))
+        self.spawn(self._protect_save(srv, slot, rt, choice[1]))
         return True
 
     async def _protect_save(self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, trigger: str) -> None:
@@ -496,6 +364,29 @@ class CheckpointPolicy:
                     await self.saver.save(srv, slot, rt, trigger=trigger)
         finally:
             self.pool.give_back(srv, slot)
+
+    # the decisions' inputs, from live state ----------------------------------------------------------
+    def _rules(self) -> Rules:
+        cp = self.config.checkpoint
+        if self._rules_of is not cp:  # built once per configuration (SIGHUP replaces it)
+            self._rules_of, self._rules_now = cp, Rules.of(cp)
+        return self._rules_now
+
+    def _costs(self, server: str) -> Costs:
+        return self.costs.server(server)  # the live model: read, never written, by the decisions
+
+    def _moment(self, srv: ServerRuntime, *, coming: int = 0) -> Moment:
+        wait_s = self.acquire_timeout_s if self.acquire_timeout_s is not None else srv.config.slot_wait_s
+        waiting = bool(self.pool.queued(srv))
+        return facts.moment(
+            srv,
+            self.sessions,
+            self.monotonic(),
+            cleaning=self._cleaning,
+            waiting=waiting,
+            wait_s=wait_s,
+            coming=coming,
+        )
 
     def policy_changed(self) -> None:
         """SIGHUP changed the policy: pending clean-ahead checks belong to the old one."""

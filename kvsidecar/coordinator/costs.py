@@ -16,9 +16,9 @@ a policy that needs one it does not have falls back to today's behaviour (save b
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 _ALPHA = 0.3
 _THINK_SAMPLES = 64  # the server's recent think times, every session's
@@ -39,6 +39,47 @@ class Ewma:
         self.samples += 1
 
 
+def transfer_s(tokens: int, bytes_per_token: float | None, bytes_per_s: float | None) -> float | None:
+    """Predicted time to save or restore a slot holding `tokens`."""
+    return None if bytes_per_token is None or not bytes_per_s else tokens * bytes_per_token / bytes_per_s
+
+
+def prefill_time_s(tokens: int, tokens_per_s: float | None) -> float | None:
+    return None if not tokens_per_s else tokens / tokens_per_s
+
+
+class Costs(Protocol):
+    """What the checkpoint decisions (decisions.py) read of a server's costs: the live model (ServerCosts)
+    or a snapshot of its figures (CostFigures, as the golden files hold them)."""
+
+    @property
+    def think_s(self) -> Sequence[float]: ...  # the server's recent think times, every session's
+
+    def save_s(self, tokens: int) -> float | None: ...
+
+    def prefill_s(self, tokens: int) -> float | None: ...
+
+
+@dataclass(frozen=True)
+class CostFigures:
+    """A server's learned figures at one moment, and what they predict (the same rules as ServerCosts)."""
+
+    kv_bytes_per_token: float | None = None
+    save_bytes_per_s: float | None = None
+    restore_bytes_per_s: float | None = None
+    prefill_tokens_per_s: float | None = None
+    think_s: tuple[float, ...] = ()  # oldest first
+
+    def save_s(self, tokens: int) -> float | None:
+        return transfer_s(tokens, self.kv_bytes_per_token, self.save_bytes_per_s)
+
+    def restore_s(self, tokens: int) -> float | None:
+        return transfer_s(tokens, self.kv_bytes_per_token, self.restore_bytes_per_s)
+
+    def prefill_s(self, tokens: int) -> float | None:
+        return prefill_time_s(tokens, self.prefill_tokens_per_s)
+
+
 @dataclass
 class ServerCosts:
     save_bytes_per_s: Ewma = field(default_factory=Ewma)
@@ -49,16 +90,13 @@ class ServerCosts:
 
     def save_s(self, tokens: int) -> float | None:
         """Predicted time to save a slot holding `tokens`."""
-        per_token, bw = self.kv_bytes_per_token.value, self.save_bytes_per_s.value
-        return None if per_token is None or not bw else tokens * per_token / bw
+        return transfer_s(tokens, self.kv_bytes_per_token.value, self.save_bytes_per_s.value)
 
     def restore_s(self, tokens: int) -> float | None:
-        per_token, bw = self.kv_bytes_per_token.value, self.restore_bytes_per_s.value
-        return None if per_token is None or not bw else tokens * per_token / bw
+        return transfer_s(tokens, self.kv_bytes_per_token.value, self.restore_bytes_per_s.value)
 
     def prefill_s(self, tokens: int) -> float | None:
-        tps = self.prefill_tokens_per_s.value
-        return None if not tps else tokens / tps
+        return prefill_time_s(tokens, self.prefill_tokens_per_s.value)
 
     def view(self) -> dict[str, Any]:
         def r(e: Ewma) -> float | None:
@@ -78,7 +116,10 @@ class CostModel:
         self.servers: dict[str, ServerCosts] = {}
 
     def server(self, name: str) -> ServerCosts:
-        return self.servers.setdefault(name, ServerCosts())
+        costs = self.servers.get(name)  # not setdefault: a ServerCosts built per call (the give-back path)
+        if costs is None:
+            costs = self.servers[name] = ServerCosts()
+        return costs
 
     def observe_transfer(
         self, server: str, *, kind: str, nbytes: int, tokens: int, server_ms: float | None, measured_ms: float

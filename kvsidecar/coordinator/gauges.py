@@ -107,11 +107,13 @@ class StateCollector(Collector):
         *,
         servers: dict[str, ServerRuntime],
         leases: Iterable[Lease],
+        waiting: Callable[[ServerRuntime], int],
         store: SnapshotStore,
         quota_bytes: Callable[[], int | None],
     ) -> None:
         self.servers = servers
         self.leases = leases
+        self.waiting = waiting  # acquires queued for a slot of a server (pool.py)
         self.store = store
         self.quota_bytes = quota_bytes
 
@@ -155,7 +157,7 @@ class StateCollector(Collector):
             for state in BreakerState:
                 breaker.add_metric([name, state.value], 1.0 if state is current else 0.0)
             leases.add_metric([name], per_server.get(name, 0))
-            waiting.add_metric([name], sum(1 for _, _, fut in srv.waiters if not fut.done()))
+            waiting.add_metric([name], self.waiting(srv))
         return iter((up, info, breaker, leases, waiting, moved))
 
     def _snapshots(self) -> Iterator[Metric]:

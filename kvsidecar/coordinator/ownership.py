@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionTable
 from kvsidecar.coordinator.state import Lease
@@ -52,12 +53,17 @@ class LocalGate:
 
 class KeyOwnership:
     def __init__(
-        self, *, store: SnapshotStore, sessions: SessionTable, servers: dict[str, ServerRuntime]
+        self,
+        *,
+        store: SnapshotStore,
+        sessions: SessionTable,
+        servers: dict[str, ServerRuntime],
+        gate: KeyGate | None = None,
     ) -> None:
         self.store = store
         self.sessions = sessions
         self.servers = servers
-        self.gate: KeyGate = LocalGate()
+        self.gate: KeyGate = gate if gate is not None else LocalGate()  # fleet mode: its FleetGate
 
     async def claim(self, key: str, *, force: bool = False, keep: bool = False) -> Claim:
         """The gate's answer, after dropping what this host holds of `key` if the answer says it is stale
@@ -80,11 +86,10 @@ class KeyOwnership:
                 # not under a running inference (its release is refused a save later); an internal
                 # operation (the save that found out) lets go of it here
                 if slot.owner == key and not isinstance(slot.holder, Lease):
-                    slot.owner = None
+                    SlotPool.vacate(slot)
                     dropped.append("slot")
         rt = self.sessions.get(key)
-        if rt is not None and rt.dirty:
-            rt.saved_revision = rt.dirty_revision  # its unsaved turns are older than the other host's
+        if rt is not None and self.sessions.give_up_unsaved(rt):  # older than the other host's state
             dropped.append("unsaved turns")
         await asyncio.to_thread(self.store.reload, key)
         if dropped:

@@ -6,36 +6,62 @@ restore and save commit with `same_runtime()`: is the server still the instance 
 for? When it is not, or cannot be told, it re-probes and re-fingerprints first, and the residency of
 every slot is forgotten (the next request restores instead of trusting an emptied slot).
 
-It also owns the two things every call to a server goes through: the bound on a persistence call
-(`persist`, spec §59) and the breaker's bookkeeping of its failures (spec §33).
+It owns restart detection's outcome: each server's epoch, the count of restarts seen. An operation that
+spans a change of epoch is void: `mark()` before it, `still()` after (the closing bracket).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
+from dataclasses import dataclass
 
 from kvsidecar.coordinator.canary import measure_canary
 from kvsidecar.coordinator.exits import ExitWatch
+from kvsidecar.coordinator.guard import PersistGuard
 from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.server import RefreshResult, ServerRuntime
 from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
 from kvsidecar.coordinator.state import Slot
 from kvsidecar.coordinator.telemetry import Telemetry
-from kvsidecar.errors import BackendError, BackendUnavailable, KvError, OperationTimeout
+from kvsidecar.errors import KvError
+from kvsidecar.fingerprint.runtime import RuntimeFingerprint
 from kvsidecar.fingerprint.savepath import llama_save_dir
 
-T = TypeVar("T")
-MARGIN_S = 5.0
+
+@dataclass(frozen=True)
+class RuntimeMark:
+    """What an operation on a server started under: the epoch and the fingerprint it was proven for."""
+
+    epoch: int
+    fingerprint: RuntimeFingerprint | None
 
 
 class RuntimeGuard:
-    def __init__(self, *, sessions: SessionTable, pool: SlotPool, telemetry: Telemetry) -> None:
+    def __init__(
+        self, *, sessions: SessionTable, pool: SlotPool, telemetry: Telemetry, persist: PersistGuard
+    ) -> None:
         self.sessions = sessions
         self.pool = pool
         self.telemetry = telemetry
+        self.persist = persist
         self.exits = ExitWatch(telemetry=telemetry)  # how a local process ended, and crash loops
+        self._epochs: dict[str, int] = {}  # restarts seen, by server name
+
+    def epoch(self, srv: ServerRuntime) -> int:
+        """How many restarts of the server have been seen (status: `restarts_seen`)."""
+        return self._epochs.get(srv.name, 0)
+
+    def mark(self, srv: ServerRuntime, fingerprint: RuntimeFingerprint | None = None) -> RuntimeMark:
+        """The opening bracket: now, under `fingerprint` (default: the server's current one)."""
+        return RuntimeMark(self.epoch(srv), fingerprint if fingerprint is not None else srv.fingerprint)
+
+    async def still(self, srv: ServerRuntime, mark: RuntimeMark) -> bool:
+        """The closing bracket: the server provably is still the runtime `mark` was taken under (no restart
+        seen since, the same fingerprint)."""
+        return (
+            await self.same_runtime(srv)
+            and self.epoch(srv) == mark.epoch
+            and srv.fingerprint == mark.fingerprint
+        )
 
     async def refresh(
         self, srv: ServerRuntime, *, slot: Slot | None = None, force: bool = False
@@ -79,16 +105,16 @@ class RuntimeGuard:
 
     def forget_residency(self, srv: ServerRuntime, reason: str) -> None:
         """The server lost (or may have lost) every slot's content: believe nothing is resident."""
-        srv.epoch += 1
+        self._epochs[srv.name] = self.epoch(srv) + 1
         self.telemetry.server_restarted(srv.name, reason)
         for slot in srv.slots.values():
             self.disown(slot)  # unsaved progress is gone with the server
 
     def disown(self, slot: Slot) -> None:
         if (rt := self.sessions.get(slot.owner)) is not None:
-            rt.saved_revision = rt.dirty_revision
+            self.sessions.give_up_unsaved(rt)
             self.sessions.apply(rt, SessionEvent.LOST)
-        slot.owner, slot.holds_aux, slot.tokens = None, False, None
+        self.pool.forget_content(slot)
 
     async def _canary(self, srv: ServerRuntime, slot: Slot | None) -> None:
         """Measure the canary on the reference slot: on `slot` when it is that slot and its content is
@@ -105,39 +131,19 @@ class RuntimeGuard:
             return
         if own:
             self.disown(ref)
-        epoch = srv.epoch
+        epoch = self.epoch(srv)
         try:
             held = self.sessions.store.snapshot_anchor(srv.name) or srv.config.snapshot_dir
             canary = measure_canary(srv.backend, ref.id, held, llama_save_dir(srv.process))
-            digest = await self.persist(srv, canary)
-            if srv.epoch == epoch and await srv.same_instance() is not False:
+            async with self.persist.persisting(srv, "canary", slot=ref) as op:
+                digest = await op.call(canary)
+            if self.epoch(srv) == epoch and await srv.same_instance() is not False:
                 srv.set_canary(digest)
                 self.telemetry.canary(srv.name, digest)
         except KvError as exc:
             srv.canary_failures += 1
             self.telemetry.canary_failed(srv.name, exc)
         finally:
-            ref.tokens = 0
-            if own:
-                self.pool.give_back(srv, ref)
-
-    async def persist(self, srv: ServerRuntime, op: Awaitable[T]) -> T:
-        """A persistence call with its own bound (spec §59), independent of any inference timeout."""
-        try:
-            return await asyncio.wait_for(op, srv.config.persist_timeout_s + MARGIN_S)
-        except TimeoutError:
-            raise OperationTimeout(
-                f"persistence call to {srv.name} ran past {srv.config.persist_timeout_s}s"
-            ) from None
-
-    def breaker_failure(self, srv: ServerRuntime, exc: KvError) -> None:
-        if not isinstance(exc, BackendError):
-            return
-        if srv.breaker.failure(exc.code):
-            self.telemetry.circuit_open(srv.name, exc.code, srv.breaker.cooldown_s)
-        if isinstance(exc, BackendUnavailable | OperationTimeout):
-            srv.available = False  # the next bracket or probe re-checks, and says whether it restarted
-
-    def breaker_success(self, srv: ServerRuntime) -> None:
-        if srv.breaker.success():
-            self.telemetry.circuit_recovered(srv.name)
+            self.pool.erased(ref)
+            if own:  # a step of the refresh, maybe inside a save's or a restore's bracket: no idle moment
+                self.pool.give_back(srv, ref, quiet=True)

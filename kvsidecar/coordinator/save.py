@@ -1,6 +1,7 @@
 """Saving a slot into its session's next snapshot generation (spec §26-28, §41).
 
-`Saver.save()` runs while the caller holds the slot. It is bracketed like a restore (issue 16 A): the
+`Saver.save()` runs while the caller holds the slot, as one guarded persistence operation (guard.py: the
+breaker's gate and trial, the call's bound, the verdict). It is bracketed like a restore (issue 16 A): the
 server must provably be the instance its fingerprint was made for before the save and again before the
 manifest commit, else the file is discarded and nothing is recorded; an empty save (a slot emptied by a
 restart) is never recorded. A save never targets the newest generation that still verifies (the store
@@ -21,8 +22,8 @@ from typing import Any
 
 from kvsidecar.backend.base import SaveResult
 from kvsidecar.config import Config
-from kvsidecar.coordinator.breaker import BreakerState
 from kvsidecar.coordinator.costs import CostModel
+from kvsidecar.coordinator.guard import PersistGuard, Persisting
 from kvsidecar.coordinator.ownership import KeyOwnership
 from kvsidecar.coordinator.runtime import RuntimeGuard
 from kvsidecar.coordinator.server import ServerRuntime
@@ -39,6 +40,7 @@ from kvsidecar.store.snapshots import SavePlan, SnapshotStore
 class _Written:
     """A save llama-server has written and the runtime bracket has vouched for: what the commit needs."""
 
+    op: Persisting
     plan: SavePlan
     saved: SaveResult
     fingerprint: RuntimeFingerprint
@@ -56,10 +58,12 @@ class Saver:
         store: SnapshotStore,
         sessions: SessionTable,
         guard: RuntimeGuard,
+        persist: PersistGuard,
         telemetry: Telemetry,
         costs: CostModel,
         monotonic: Callable[[], float] = time.monotonic,
         ownership: KeyOwnership | None = None,
+        after_save: Callable[[], None] | None = None,
     ) -> None:
         self.costs = costs
         self.ownership = ownership
@@ -67,11 +71,12 @@ class Saver:
         self.store = store
         self.sessions = sessions
         self.guard = guard
+        self.persist = persist
         self.telemetry = telemetry
         self.monotonic = monotonic
         # Called (on the loop) after every save attempt that wrote or failed to write: the daemon checks
         # its retention limits then (a full disk is a reason to run retention now).
-        self.after_save: Callable[[], None] | None = None
+        self.after_save = after_save
 
     async def save(
         self,
@@ -97,33 +102,30 @@ class Saver:
             if not claim.write or claim.stale:
                 self.telemetry.save_not_owner(srv.name, rt, trigger, claim.holder)
                 return False  # nothing written (a stale copy is given up: nothing of it is worth saving)
-        trial = srv.breaker.state is BreakerState.HALF_OPEN
-        if srv.fingerprint is None or not srv.available or not srv.breaker.allow():
-            self.telemetry.save_refused(srv.name, "KV_BACKEND_UNAVAILABLE")
-            return False
-        overlap = overlap and not trial and not self.config.failure.strict
-        with contextlib.ExitStack() as busy:
-            busy.enter_context(self.sessions.busy_with(rt.key))
-            try:
-                commit = await self._write(srv, slot, rt, trigger=trigger)
-                if commit is None:
-                    return False
-                if overlap:  # the commit owns the busy mark from here on; written counts as saved
-                    rt.pending_commit = asyncio.get_running_loop().create_task(
-                        self._commit_later(busy.pop_all(), commit)
-                    )
-                    saved = True
-                else:
-                    saved = await commit
-                if saved and actions is not None:
-                    actions.append(f"save {rt.identity.short}")
-                return saved
-            finally:
-                if trial:  # this call held the half-open trial
-                    srv.breaker.end_trial()
+        ready = srv.fingerprint is not None and srv.available
+        async with contextlib.AsyncExitStack() as held:
+            op = await held.enter_async_context(self.persist.persisting(srv, "save", slot=slot, ready=ready))
+            if not op.allowed:
+                self.telemetry.save_refused(srv.name, "KV_BACKEND_UNAVAILABLE")
+                return False
+            overlap = overlap and not op.trial and not self.config.failure.strict
+            held.enter_context(self.sessions.busy_with(rt.key))
+            commit = await self._write(op, srv, slot, rt, trigger=trigger)
+            if commit is None:
+                return False
+            if overlap:  # the commit carries the operation and the busy mark on; written counts as saved
+                rt.pending_commit = asyncio.get_running_loop().create_task(
+                    self._commit_later(held.pop_all(), commit)
+                )
+                saved = True
+            else:
+                saved = await commit
+            if saved and actions is not None:
+                actions.append(f"save {rt.identity.short}")
+            return saved
 
-    async def _commit_later(self, busy: contextlib.ExitStack, commit: Coroutine[Any, Any, bool]) -> bool:
-        with busy:
+    async def _commit_later(self, held: contextlib.AsyncExitStack, commit: Coroutine[Any, Any, bool]) -> bool:
+        async with held:
             return await commit
 
     @staticmethod
@@ -134,15 +136,17 @@ class Saver:
             await asyncio.wait([task])
 
     async def _write(
-        self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, *, trigger: str
+        self, op: Persisting, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, *, trigger: str
     ) -> Coroutine[Any, Any, bool] | None:
         """Have llama-server write the slot into the session's next generation, bracketed by the runtime
         check; returns the commit still to run, or None if nothing was written (already handled)."""
-        fingerprint, epoch, revision = srv.fingerprint, srv.epoch, rt.dirty_revision
+        mark, revision = self.guard.mark(srv), rt.dirty_revision
+        fingerprint = mark.fingerprint
         resident = slot.owner == rt.key
-        if not await self.guard.same_runtime(srv) or srv.epoch != epoch or srv.fingerprint != fingerprint:
+        if not await self.guard.still(srv, mark):
             # The server restarted since this slot was filled: its content is gone, nothing to save.
             self.telemetry.save_refused(srv.name, "KV_SERVER_RESTARTED")
+            op.void()
             return None
         assert fingerprint is not None
         self.sessions.apply(rt, SessionEvent.SAVE_BEGIN)
@@ -159,17 +163,17 @@ class Saver:
             # planted; right after, the same (else the server may have written elsewhere: not trusted).
             theirs = llama_save_dir(srv.process)
             self.store.check_save_target(plan, theirs)
-            saved = await self.guard.persist(srv, srv.backend.save_slot(slot.id, plan.filename))
+            saved = await op.call(srv.backend.save_slot(slot.id, plan.filename))
             self.store.check_snapshot_dir(srv.name, theirs)
             if saved.tokens <= 0:
                 raise SaveFailed("llama-server saved an empty slot (it lost the session's KV); not recorded")
             # The closing bracket: a file written by another instance is not this session's KV.
-            if not await self.guard.same_runtime(srv) or srv.epoch != epoch or srv.fingerprint != fingerprint:
+            if not await self.guard.still(srv, mark):
                 raise SaveFailed("llama-server restarted during the save; the file is discarded")
         except BaseException as exc:
-            await self._aborted(srv, slot, rt, plan, exc, trigger, resident=resident)
+            await self._aborted(op, srv, slot, rt, plan, exc, trigger, resident=resident)
             return None
-        step = _Written(plan, saved, fingerprint, revision, trigger, started, resident)
+        step = _Written(op, plan, saved, fingerprint, revision, trigger, started, resident)
         return self._commit(srv, slot, rt, step)
 
     async def _begin(self, rt: SessionRuntime, fingerprint: RuntimeFingerprint) -> SavePlan:
@@ -211,18 +215,15 @@ class Saver:
             await asyncio.shield(committing)
         except asyncio.CancelledError as exc:
             committing.add_done_callback(partial(self._discard_if_failed, step.plan))
-            await self._aborted(srv, slot, rt, None, exc, step.trigger, resident=step.resident)
+            await self._aborted(step.op, srv, slot, rt, None, exc, step.trigger, resident=step.resident)
             return False  # not reached: _aborted re-raises the cancel
         except BaseException as exc:
-            await self._aborted(srv, slot, rt, step.plan, exc, step.trigger, resident=step.resident)
+            await self._aborted(step.op, srv, slot, rt, step.plan, exc, step.trigger, resident=step.resident)
             return False
         finally:
             if rt.pending_commit is asyncio.current_task():  # the overlapped commit ends
                 rt.pending_commit = None
-        rt.base_generation = step.plan.generation
-        self._saved(
-            srv, slot, rt, step.saved, revision=step.revision, trigger=step.trigger, started=step.started
-        )
+        self._saved(srv, slot, rt, step)
         return True
 
     def _discard_if_failed(self, plan: SavePlan, committing: asyncio.Future[Any]) -> None:
@@ -233,6 +234,7 @@ class Saver:
 
     async def _aborted(
         self,
+        op: Persisting,
         srv: ServerRuntime,
         slot: Slot,
         rt: SessionRuntime,
@@ -245,7 +247,7 @@ class Saver:
         """A failed save (KvError: recorded, and re-raised in strict mode) or a cancelled one (re-raised):
         no half-written file left behind, no session stuck in SAVING."""
         if isinstance(exc, KvError):
-            await self._failed(srv, slot, rt, plan, exc, trigger)
+            await self._failed(op, srv, slot, rt, plan, exc, trigger)
             return
         if plan is not None:  # a cancelled task cannot wait for a thread: the deletion runs on its own
             asyncio.get_running_loop().run_in_executor(
@@ -257,6 +259,7 @@ class Saver:
 
     async def _failed(
         self,
+        op: Persisting,
         srv: ServerRuntime,
         slot: Slot,
         rt: SessionRuntime,
@@ -269,27 +272,20 @@ class Saver:
         if isinstance(exc, Fenced) and self.ownership is not None:  # another host took the key over
             await self.ownership.forget(rt.key)
         self._after_save()  # a full disk is a reason to run retention now
-        self.guard.breaker_failure(srv, exc)
+        op.failed(exc)
         self.telemetry.save_failed(srv.name, rt, trigger, exc)
-        self.sessions.apply(rt, SessionEvent.SAVE_FAILED, resident=slot.owner == rt.key)
-        rt.last_error = exc.code
+        self.sessions.apply(rt, SessionEvent.SAVE_FAILED, resident=slot.owner == rt.key, error=exc.code)
         if self.config.failure.strict:
             raise exc
 
-    def _saved(
-        self,
-        srv: ServerRuntime,
-        slot: Slot,
-        rt: SessionRuntime,
-        saved: SaveResult,
-        *,
-        revision: int,
-        trigger: str,
-        started: float,
-    ) -> None:
-        self.guard.breaker_success(srv)
-        rt.saved_revision = max(rt.saved_revision, revision)
-        rt.base_tokens, rt.append_only = saved.tokens, True
+    def _saved(self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, step: _Written) -> None:
+        step.op.succeeded()
+        saved = step.saved
+        resident = slot.owner == rt.key
+        generation = step.plan.generation
+        self.sessions.saved(
+            rt, revision=step.revision, tokens=saved.tokens, generation=generation, resident=resident
+        )
         self.costs.observe_transfer(
             srv.name,
             kind="save",
@@ -298,12 +294,11 @@ class Saver:
             server_ms=saved.server_ms,
             measured_ms=saved.measured_ms,
         )
-        self.sessions.apply(rt, SessionEvent.SAVED, resident=slot.owner == rt.key)
-        elapsed_ms = (self.monotonic() - started) * 1000
+        elapsed_ms = (self.monotonic() - step.started) * 1000
         self.telemetry.saved(
             srv.name,
             rt,
-            trigger,
+            step.trigger,
             saved.tokens,
             saved.bytes_written,
             elapsed_ms,

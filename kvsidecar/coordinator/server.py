@@ -3,7 +3,9 @@
 Different servers never share a lock (spec §38). `refresh()` probes the server and rebuilds its runtime
 fingerprint; when the server restarted (local process identity changed, its per-start nonce changed, or it
 was unreachable) the coordinator is told to drop its belief that any session is resident, so the next
-request restores instead of trusting an empty slot.
+request restores instead of trusting an empty slot. What other parts keep about a server lives with them:
+the queue of requests waiting for its slots (pool.py), its recent demand (checkpoint.py) and the count of
+its restarts seen (runtime.py).
 
 A fingerprint is bound to the server instance it was built for (`instance`: the local process' pid and
 create time, and the nonce llama-server makes at each start). `same_instance()` re-checks that binding
@@ -27,7 +29,6 @@ import contextlib
 import logging
 import os
 import select
-from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,15 +40,10 @@ from kvsidecar.config import Config, Mode, ServerConfig
 from kvsidecar.coordinator.breaker import CircuitBreaker
 from kvsidecar.coordinator.state import Slot
 from kvsidecar.errors import KvError
-from kvsidecar.fingerprint.llama_process import load_identity, model_mappings
-from kvsidecar.fingerprint.runtime import (
-    FileDigestCache,
-    ModelProof,
-    ProcessInfo,
-    RuntimeFingerprint,
-    build_fingerprint,
-    model_proof,
-)
+from kvsidecar.fingerprint.file_digests import FileDigestCache
+from kvsidecar.fingerprint.llama_process import ProcessInfo, load_identity, model_mappings
+from kvsidecar.fingerprint.model_files import ModelProof, model_proof
+from kvsidecar.fingerprint.runtime import RuntimeFingerprint, build_fingerprint
 from kvsidecar.logs import event
 
 log = logging.getLogger("kvsidecar.server")
@@ -89,18 +85,12 @@ class ServerRuntime:
         self.fingerprint: RuntimeFingerprint | None = None
         self.canary: str | None = None  # digest of the runtime canary's KV, made on this instance
         self.canary_failures = 0
-        self.epoch = 0  # counts detected restarts: an operation that spans a change of epoch is void
         self.process: ProcessInfo | None = None
         # Held while the server is re-probed and re-fingerprinted: an acquire that needs a fingerprint
         # waits for the one being built instead of starting a second build (a whole-file model hash).
         self.refresh_lock = asyncio.Lock()
         self.available = False
         self.last_error: str | None = None
-        # Requests waiting for a slot, in arrival order: (session key or None, holder, future of the slot).
-        # Only the coordinator's _dispatch hands slots to them, on the event loop.
-        self.waiters: deque[tuple[str | None, Any, asyncio.Future[Slot]]] = deque()
-        # Session key -> when it last asked for a slot here, oldest first (the checkpoint policy's demand).
-        self.requested_at: OrderedDict[str, float] = OrderedDict()
         first = config.slot_id if config.mode is Mode.SINGLE_SLOT else 0
         self.slots: dict[int, Slot] = {first: Slot(id=first)}
         self._base: RuntimeFingerprint | None = None  # the fingerprint without the canary

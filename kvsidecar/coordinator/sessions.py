@@ -13,6 +13,17 @@ snapshot, no slot, no lease: forgotten, so memory does not grow with every sessi
     (any) --evicted | lost | restore_failed--> resting;  (any) --rejected | invalidated--> INVALID
 
 "resting" is what the store says: SAVED with a valid snapshot, INVALID with only invalid ones, else NONE.
+
+Owners: `SessionTable` is the only code that writes these fields of a `SessionRuntime`:
+- `state` (through `transition()`: `apply()`) and `last_error` (a failure event's code);
+- `dirty_revision` (`ran()`) and `saved_revision` (`saved()`, `restored()`, `give_up_unsaved()`): dirtiness,
+  which drives eviction saves and retention's protection, is `dirty_revision > saved_revision` (spec §28);
+- `dirty_since`, `dirty_since_rev` (`mark_unsaved()`);
+- what the slot holds of it: `base_tokens`, `base_generation`, `context_tokens`, `append_only`,
+  `verify_tokens` (`restored()`, `started_cold()`, `saved()`, `track_context()`, `take_verify()`);
+- who last called and when: `scope`, `seq`, `released_at`, `think_s` (`arrived()`, `released()`, `hinted()`).
+The checkpoint policy's own timers (`idle_*`, `clean_*`, `protect_*`) are written by checkpoint.py alone,
+the overlapped commit (`pending_commit`) by save.py and the refused files (`refused`) by restore.py.
 Everything here runs on the event loop.
 """
 
@@ -93,9 +104,106 @@ class SessionTable:
             return SessionState.NONE
         return SessionState.SAVED if manifest.has_valid else SessionState.INVALID
 
-    def apply(self, rt: SessionRuntime, event: SessionEvent, *, resident: bool = False) -> None:
+    def apply(
+        self, rt: SessionRuntime, event: SessionEvent, *, resident: bool = False, error: str | None = None
+    ) -> None:
+        """The session's state after `event`; `error`: the code of the failure it was (its view shows it)."""
         resting = self.resting(rt) if event in _NEEDS_RESTING else rt.state
         rt.state = transition(rt.state, event, resident=resident, resting=resting)
+        if error is not None:
+            rt.last_error = error
+
+    # revisions (spec §28): dirty <=> dirty_revision > saved_revision -------------------------------------
+    def ran(self, rt: SessionRuntime) -> int:
+        """An inference on the session's own slot succeeded: the slot moved past the snapshot. Returns the
+        new revision."""
+        rt.dirty_revision += 1
+        self.apply(rt, SessionEvent.RAN)
+        return rt.dirty_revision
+
+    def saved(
+        self, rt: SessionRuntime, *, revision: int, tokens: int, generation: str, resident: bool
+    ) -> None:
+        """A save of `revision` (`tokens`) was committed as `generation`; the slot (when `resident`) extends
+        it from now on."""
+        rt.saved_revision = max(rt.saved_revision, revision)
+        rt.base_tokens, rt.base_generation, rt.append_only = tokens, generation, True
+        self.apply(rt, SessionEvent.SAVED, resident=resident)
+
+    def restored(self, rt: SessionRuntime, *, tokens: int, generation: str) -> None:
+        """A restore of `generation` counted: the slot equals that snapshot (its reuse still to be seen)."""
+        self.apply(rt, SessionEvent.RESTORED)
+        rt.verify_tokens, rt.saved_revision = tokens, rt.dirty_revision
+        rt.base_tokens = rt.context_tokens = tokens
+        rt.base_generation, rt.append_only = generation, True
+
+    def started_cold(self, rt: SessionRuntime) -> None:
+        """A cold start: the slot extends no snapshot of the session."""
+        rt.verify_tokens = rt.base_tokens = rt.context_tokens = rt.base_generation = None
+        rt.append_only = False
+        self.apply(rt, SessionEvent.COLD_START)
+
+    @staticmethod
+    def give_up_unsaved(rt: SessionRuntime) -> bool:
+        """The turns no saved generation holds are gone: not saved before an eviction (policy off, or the
+        save failed), lost with the server, or older than what another host owns now. True if there were
+        any. The only place unsaved progress is written off."""
+        if not rt.dirty:
+            return False
+        rt.saved_revision = rt.dirty_revision
+        return True
+
+    @staticmethod
+    def mark_unsaved(rt: SessionRuntime, now: float) -> None:
+        """The session ran: when its first turn past the saved revision ran (a save moves saved_revision,
+        so a mark from before it is recognised as stale and renewed)."""
+        if rt.dirty_since is None or rt.dirty_since_rev != rt.saved_revision:
+            rt.dirty_since, rt.dirty_since_rev = now, rt.saved_revision
+
+    # what the slot holds of it, and who called ----------------------------------------------------------
+    @staticmethod
+    def track_context(rt: SessionRuntime, prompt_tokens: int | None, cached_tokens: int | None) -> None:
+        """After a turn: how many tokens the slot's prompt has, and whether the snapshot the slot extends
+        is still its prefix (the engine reused at least that much). Unknown counts end the append-only
+        claim."""
+        if prompt_tokens is None or cached_tokens is None:
+            rt.append_only, rt.context_tokens = False, None
+            return
+        rt.context_tokens = prompt_tokens + cached_tokens
+        # A snapshot ends with the tokens the model generated; the next prompt carries the reply as the
+        # harness renders it, which may tokenize differently: a few trailing tokens may be recomputed.
+        if rt.base_tokens is None or cached_tokens + max(8, rt.base_tokens // 50) < rt.base_tokens:
+            rt.append_only = False
+
+    @staticmethod
+    def take_verify(rt: SessionRuntime) -> int:
+        """The tokens the last restore claimed, once: its first inference's reuse is checked against them."""
+        restored, rt.verify_tokens = rt.verify_tokens or 0, None
+        return restored
+
+    @staticmethod
+    def arrived(rt: SessionRuntime, *, scope: str, seq: int | None, now: float) -> float | None:
+        """An acquire of the session: the credential scope it came in and its sequence number. Returns its
+        think time (from its last release to now) when it had one."""
+        rt.scope = scope
+        if seq is not None:
+            rt.seq = seq
+        if rt.released_at is None:
+            return None
+        think_s = now - rt.released_at
+        rt.think_s.append(think_s)
+        rt.released_at = None
+        return think_s
+
+    @staticmethod
+    def released(rt: SessionRuntime, now: float) -> None:
+        rt.released_at = now
+
+    @staticmethod
+    def hinted(rt: SessionRuntime, seq: int | None) -> None:
+        """A lifecycle hint named the session's sequence number."""
+        if seq is not None:
+            rt.seq = seq
 
     def is_dirty(self, key: str) -> bool:
         rt = self.by_key.get(key)
@@ -152,16 +260,3 @@ _NEEDS_RESTING = {
     SessionEvent.LOST,
     SessionEvent.RESTORE_FAILED,
 }
-
-
-def track_context(rt: SessionRuntime, prompt_tokens: int | None, cached_tokens: int | None) -> None:
-    """After a turn: how many tokens the slot's prompt has, and whether the snapshot the slot extends is
-    still its prefix (the engine reused at least that much). Unknown counts end the append-only claim."""
-    if prompt_tokens is None or cached_tokens is None:
-        rt.append_only, rt.context_tokens = False, None
-        return
-    rt.context_tokens = prompt_tokens + cached_tokens
-    # A snapshot ends with the tokens the model generated; the next prompt carries the reply as the
-    # harness renders it, which may tokenize differently: a few trailing tokens may be recomputed.
-    if rt.base_tokens is None or cached_tokens + max(8, rt.base_tokens // 50) < rt.base_tokens:
-        rt.append_only = False

@@ -1,7 +1,7 @@
 """The coordinator's in-memory records: sessions (spec §18), physical slots (§19) and leases.
 
-Plain data; the rules that change them live in sessions.py (state machine), pool.py (slots) and
-leases.py (leases).
+Plain data; the rules that change them live in sessions.py (state machine, revisions), pool.py (slots)
+and leases.py (leases), which are their only writers (each module's docstring lists what it writes).
 
 All of it is owned by the event loop thread; nothing here is touched from another thread.
 """
@@ -143,7 +143,7 @@ class Lease:
 @dataclass(kw_only=True)
 class Slot:
     id: int
-    # Invariant 2: at most one owner. `owner` is the identity key whose KV the slot holds.
+    # Invariant 2: at most one owner. `owner` is the identity key whose KV the slot holds (pool.py owns it).
     owner: str | None = None
     # Who holds the slot right now: a Lease (inference) or an internal operation ("save", "purge").
     # Invariant 8: restore, erase, inference and save on this slot happen only while holding it.

@@ -64,11 +64,14 @@ class Telemetry:
         *,
         servers: dict[str, ServerRuntime],
         leases: Iterable[Lease],
+        waiting: Callable[[ServerRuntime], int],
         store: SnapshotStore,
         quota_bytes: Callable[[], int | None],
     ) -> None:
         """Publish the state gauges (backends, breakers, leases, waiters, snapshots), read at scrape."""
-        collector = StateCollector(servers=servers, leases=leases, store=store, quota_bytes=quota_bytes)
+        collector = StateCollector(
+            servers=servers, leases=leases, waiting=waiting, store=store, quota_bytes=quota_bytes
+        )
         self.metrics.registry.register(collector)
 
     def watch_unsaved(

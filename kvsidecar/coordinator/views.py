@@ -4,6 +4,7 @@ state and the store (the CLI's offline view of a stopped daemon uses the same `s
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvsidecar.coordinator.pool import owner_slot
@@ -107,15 +108,18 @@ def status(
     stats: dict[str, int],
     costs: dict[str, dict[str, Any]],
     pending_restart: list[str],
+    restarts: Callable[[ServerRuntime], int],
     now: float | None = None,
 ) -> dict[str, Any]:
+    """`restarts`: how many restarts of a server have been seen (runtime.RuntimeGuard.epoch)."""
     manifests = store.all()
     valid = sum(1 for m in manifests if m.has_valid)
     now = time.monotonic() if now is None else now
     return {
         "enabled": enabled,
         "servers": [
-            server_view(srv, sessions, enabled=enabled, now=now, store=store) for srv in servers.values()
+            server_view(srv, sessions, enabled=enabled, now=now, store=store, restarts=restarts(srv))
+            for srv in servers.values()
         ],
         "snapshots": {
             "known": len(manifests),
@@ -139,6 +143,7 @@ def server_view(
     enabled: bool = True,
     now: float | None = None,
     store: SnapshotStore | None = None,
+    restarts: int = 0,
 ) -> dict[str, Any]:
     now = time.monotonic() if now is None else now
 
@@ -170,7 +175,7 @@ def server_view(
             "identity": srv.identity_kind,
             "canary": (srv.canary[:12] if srv.canary else "pending") if srv.config.runtime_canary else "off",
             "canary_failures": srv.canary_failures,
-            "restarts_seen": srv.epoch,
+            "restarts_seen": restarts,
             "model_identity": srv.model_proof.to_dict() if srv.model_proof is not None else None,
         },
         "slots": [

@@ -86,7 +86,7 @@ class NotifyingServer(uvicorn.Server):
     """A uvicorn server that tells `gate` when it has started (lifespan done, sockets listening) and when
     its shutdown begins (before the lifespan shutdown, which runs the checkpoint)."""
 
-    def __init__(self, config: uvicorn.Config, gate: ReadyGate | None = None) -> None:
+    def __init__(self, config: uvicorn.Config, *, gate: ReadyGate | None = None) -> None:
         super().__init__(config)
         self.gate = gate
 

@@ -1,19 +1,21 @@
-"""Assembles the daemon from a config: store, backends, coordinator, watcher, HTTP API; and serves it.
+"""The composition root: builds the daemon from a config, once, and serves it.
 
-`Daemon.start()` / `Daemon.aclose()` are symmetric: everything started is stopped (shutdown checkpoint
-included), and the state directory's lock (`statelock`) is held in between. `serve()` takes that lock
-before it binds anything, runs the daemon under uvicorn on loopback TCP and/or a 0600 unix socket;
-SIGTERM and SIGINT end it through the same path; SIGHUP reloads the config (`Daemon.reload`).
+`Daemon(config)` builds every part with what it needs at construction, so nothing is wired in afterwards:
+the store, the backends, fleet mode's agent (its write gate, residency observer and status section go into
+the coordinator), the coordinator, retention on the daemon's own scheduler, the API listener's state, and in
+fleet mode the leader's retention and the router. `Daemon.start()` / `Daemon.aclose()` are symmetric:
+whatever one starts the other stops (the shutdown checkpoint included), and the state directory's lock
+(`statelock`) is held in between. `serve()` takes that lock before it binds anything (the sockets:
+kvsidecar.daemon.listen), runs the daemon under uvicorn on loopback TCP and/or a 0600 unix socket, with the
+proxy beside it; SIGTERM and SIGINT end it through the same path; SIGHUP reloads the config
+(`Daemon.reload`; the sections in `RESTART_ONLY` keep their running values until a restart).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
-import os
-import resource
 import signal
 import socket
 from collections.abc import AsyncIterator
@@ -21,26 +23,30 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import uvicorn
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from fastapi import FastAPI
 from starlette.types import ASGIApp
 
-from kvsidecar.api.routes import create_app, is_loopback
+from kvsidecar.api.routes import create_app
 from kvsidecar.backend.base import KvBackend
 from kvsidecar.backend.llamacpp import LlamaCppBackend
-from kvsidecar.config import Config, load_config
-from kvsidecar.config.errors import ConfigInvalid
+from kvsidecar.config import RESTART_ONLY, Config, is_loopback, load_config
 from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.coordinator.server import ProcessFinder
 from kvsidecar.daemon.lifecycle import NotifyingServer, ReadyGate, Stopper, SystemdNotifier, stop_signals
+from kvsidecar.daemon.listen import check_bind, ensure_fd_budget, listen_sockets, read_token, tcp_socket
 from kvsidecar.daemon.statelock import StateLock
-from kvsidecar.errors import ConfigError, ListenInUse
-from kvsidecar.fingerprint.runtime import FileDigestCache, find_llama_process
+from kvsidecar.errors import ConfigError
+from kvsidecar.fingerprint.file_digests import FileDigestCache
+from kvsidecar.fingerprint.llama_process import find_llama_process
 from kvsidecar.fingerprint.savepath import SetupWarning, log_save_path_warnings
-from kvsidecar.http.listener import Limits, ListenerState, bearer_credential, protocol_for
+from kvsidecar.http.guards import bearer_credential
+from kvsidecar.http.limits import Limits, ListenerState
+from kvsidecar.http.listener import protocol_for
 from kvsidecar.logs import event, reconfigure
 from kvsidecar.metrics import Metrics
 from kvsidecar.proxy.app import Proxy
-from kvsidecar.retention.job import Policy, RetentionJob
+from kvsidecar.retention.job import FleetRetention, RetentionJob
 from kvsidecar.store.snapshots import SnapshotStore
 from kvsidecar.store.watcher import SnapshotWatcher
 
@@ -49,23 +55,6 @@ if TYPE_CHECKING:
     from kvsidecar.fleet.routing import FleetRouter
 
 log = logging.getLogger("kvsidecar.service")
-
-# Config sections a reload cannot apply: they shape listeners, routes and clients built once at start.
-# Everything else (enabled, checkpoint, restore, failure, retention, logging) applies live.
-RESTART_ONLY = ("servers", "routes", "state_dir", "api", "proxy", "fleet")
-
-
-def read_token(config: Config) -> str | None:
-    path = config.api.token_file
-    if path is None:
-        return None
-    try:
-        token = Path(path).read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        raise ConfigError(f"api.token_file: cannot read {path} ({exc.strerror})") from None
-    if len(token) < 16:
-        raise ConfigError("api.token_file: the token must be at least 16 characters")
-    return token
 
 
 class Daemon:
@@ -84,19 +73,40 @@ class Daemon:
         # Taken by start() unless the caller (serve) already holds it; released by aclose() if ours.
         self.state_lock = state_lock
         self._owns_lock = state_lock is None
-        self.pending_restart: list[str] = []  # restart-only keys a reload found changed
+        # Restart-only keys a reload found changed: reload() alone writes this list; the coordinator's
+        # status shows it (the same list, given to it below).
+        self.pending_restart: list[str] = []
         self._reload_lock = asyncio.Lock()
         self._reload_task: asyncio.Task[None] | None = None  # the last SIGHUP's, kept referenced
         self.metrics = Metrics()
-        self.store = SnapshotStore(
-            state_dir=config.state_dir,
-            snapshot_dirs={name: s.snapshot_dir for name, s in config.servers.items()},
-            verify_checksum=config.restore.verify_checksum,
-            shared_dir=config.fleet.metadata_dir(),
+        self.store = SnapshotStore.from_config(config)
+        self.token = read_token(config)
+        expected = f"Bearer {self.token}".encode() if self.token else None
+        # the API listener's connection state (limits, the bearer check); build_server serves with it
+        self.listener = ListenerState("api", Limits.of(config.api), credential=bearer_credential(expected))
+        self.scheduler = AsyncIOScheduler(timezone="UTC")  # the retention timer: start() and aclose()
+        self._gc_pending = False
+        self.watch = watch
+        self.watcher: SnapshotWatcher | None = None
+        self.setup_warnings: list[SetupWarning] = []  # found at start (a snapshot_dir llama-server ignores)
+        self.fleet: FleetAgent | None = _fleet_agent(config, self.store, self.metrics)  # docs/FLEET.md
+        self.coordinator = self._coordinator(backends, process_finder)
+        self.retention = RetentionJob(
+            store=self.store,
+            config=config.retention,
+            metrics=self.metrics,
+            protected_keys=self.coordinator.protected_keys,
+            fleet=self._leader_retention(),
         )
+        self.fleet_router: FleetRouter | None = self._fleet_router()  # hook calls between hosts
+
+    def _coordinator(
+        self, backends: dict[str, KvBackend] | None, process_finder: ProcessFinder | None
+    ) -> Coordinator:
+        config, fleet = self.config, self.fleet
         if backends is None:
             backends = {name: LlamaCppBackend.from_config(s) for name, s in config.servers.items()}
-        self.coordinator = Coordinator(
+        return Coordinator(
             config=config,
             store=self.store,
             backends=backends,
@@ -105,39 +115,29 @@ class Daemon:
             digests=FileDigestCache(
                 config.state_dir / "file-digests.json", anchor=self.store.layout.anchors["state"]
             ),
+            after_save=self._after_save,
+            pending_restart=self.pending_restart,
+            # fleet mode, from the first write on (the proxy may take requests while `start` runs): every
+            # write of a key's files is fenced, and only keys this host provably owns are written
+            gate=fleet.gate if fleet is not None else None,
+            observers=(fleet,) if fleet is not None else (),
+            fleet_view=fleet.view if fleet is not None else None,
         )
-        self.retention = RetentionJob(
-            store=self.store,
-            config=config.retention,
-            metrics=self.metrics,
-            protected_keys=self.coordinator.protected_keys,
-        )
-        self.coordinator.after_save = self._after_save
-        self._gc_pending = False
-        self.watch = watch
-        self.watcher: SnapshotWatcher | None = None
-        self.token = read_token(config)
-        self.listener: ListenerState | None = None  # the API listener's connection state, once serving
-        self.setup_warnings: list[SetupWarning] = []  # found at start (a snapshot_dir llama-server ignores)
-        self.fleet: FleetAgent | None = None  # fleet mode (docs/FLEET.md), when fleet.enabled
-        self.fleet_router: FleetRouter | None = None  # routes hook calls between hosts (fleet mode)
-        if config.fleet.enabled:
-            self._fleet_mode()
 
-    def _fleet_mode(self) -> None:
-        """Fleet mode, set up before anything can write (the proxy may take requests while `start` runs):
-        every write of a key's files is fenced, and only keys this host provably owns are written. Redis
-        is reached only once the agent starts. Imported only here: single-host mode never loads redis."""
-        from kvsidecar.fleet.agent import FleetAgent
-        from kvsidecar.fleet.gate import FleetGate, LeaderRetention
+    def _leader_retention(self) -> FleetRetention | None:
+        if self.fleet is None:
+            return None
+        from kvsidecar.fleet.gate import LeaderRetention
+
+        ownership = self.coordinator.ownership
+        return LeaderRetention(self.fleet, self.fleet.gate, self.store.reload_all, ownership=ownership)
+
+    def _fleet_router(self) -> FleetRouter | None:
+        if self.fleet is None:
+            return None
         from kvsidecar.fleet.routing import FleetRouter
 
-        self.fleet = FleetAgent(self.config, self.coordinator)
-        gate = FleetGate(self.fleet, self.store.fence_with)
-        self.coordinator.ownership.gate = gate
-        self.fleet.gate = gate
-        self.retention.fleet = LeaderRetention(self.fleet, gate, self.store.reload_all)
-        self.fleet_router = FleetRouter(self.fleet, gate, self.coordinator, self.token)
+        return FleetRouter(self.fleet, self.coordinator, token=self.token)
 
     async def start(self) -> None:
         if self.state_lock is None:
@@ -169,10 +169,10 @@ class Daemon:
         self.setup_warnings = await asyncio.to_thread(self._check_save_paths)  # before the canary's save
         await self.coordinator.start()
         if self.fleet is not None:
-            self.fleet.start()  # returns at once: a Redis that is down is retried by its heartbeat
+            self.fleet.start(self.coordinator)  # returns at once: a Redis that is down is retried
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not on the main thread (tests)
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
-        self.coordinator.scheduler.add_job(
+        self.scheduler.add_job(
             self._gc,
             "interval",
             seconds=self.config.retention.interval_s,
@@ -180,6 +180,7 @@ class Daemon:
             max_instances=1,
             coalesce=True,
         )
+        self.scheduler.start()
         if self.watch:
             self.watcher = SnapshotWatcher(
                 self.store,
@@ -211,7 +212,7 @@ class Daemon:
         restart-only keys (RESTART_ONLY) changed too: those keep their running values and are logged, and
         kept in `pending_restart`, as needing a restart. A file that does not load changes nothing."""
         if config is None and (config := self._load()) is None:
-            return self.pending_restart
+            return list(self.pending_restart)
         log_deprecations(config)
         running = self.config
         pending = changed_keys(_sections(running, RESTART_ONLY), _sections(config, RESTART_ONLY))
@@ -220,8 +221,7 @@ class Daemon:
         # Its restart-only sections are the running ones, so the coordinator takes it whole.
         refused = self.coordinator.reconfigure(live)
         self._apply_live(running, live)
-        self.pending_restart = sorted(set(pending) | set(refused))
-        self.coordinator.pending_restart = list(self.pending_restart)  # shown in /v1/status
+        self.pending_restart[:] = sorted(set(pending) | set(refused))  # shown in /v1/status
         event(
             log,
             logging.WARNING if self.pending_restart else logging.INFO,
@@ -229,17 +229,15 @@ class Daemon:
             changed=",".join(changed) or "nothing",
             needs_restart=",".join(self.pending_restart) or None,
         )
-        return self.pending_restart
+        return list(self.pending_restart)
 
     def _apply_live(self, running: Config, live: Config) -> None:
         """The live keys the daemon itself (not the coordinator) holds copies of."""
         self.config = live
-        self.retention.config, self.retention.policy = live.retention, Policy.from_config(live.retention)
+        self.retention.reconfigure(live.retention)
         if live.retention.interval_s != running.retention.interval_s:
-            self.coordinator.scheduler.reschedule_job(
-                "retention", trigger="interval", seconds=live.retention.interval_s
-            )
-        self.store.verify_checksum = live.restore.verify_checksum
+            self.scheduler.reschedule_job("retention", trigger="interval", seconds=live.retention.interval_s)
+        self.store.verify_checksum = live.restore.verify_checksum  # the store's one live setting
         reconfigure(live.logging.level, live.logging.format)
 
     def _check_save_paths(self) -> list[SetupWarning]:
@@ -274,6 +272,9 @@ class Daemon:
                 self._reload_task.cancel()
             if self.watcher is not None:
                 self.watcher.stop()
+            if self.scheduler.running:  # no retention pass starts from here on
+                self.scheduler.shutdown(wait=False)
+                await asyncio.sleep(0)  # AsyncIOScheduler finishes its shutdown in a loop callback
             if self.fleet_router is not None:
                 await self.fleet_router.aclose()
                 self.fleet_router = None
@@ -303,6 +304,16 @@ class Daemon:
         )
 
 
+def _fleet_agent(config: Config, store: SnapshotStore, metrics: Metrics) -> FleetAgent | None:
+    """Fleet mode's agent (its gate fences the store's writes; it reaches Redis only once started), when
+    fleet.enabled. Imported only here: single-host mode never loads redis."""
+    if not config.fleet.enabled:
+        return None
+    from kvsidecar.fleet.agent import FleetAgent
+
+    return FleetAgent(config, fence_for=store.fence_with, metrics=metrics)
+
+
 def log_deprecations(config: Config) -> None:
     for key, note in zip(config.ignored_keys, config.deprecations(), strict=True):
         event(log, logging.WARNING, "kv.config.deprecated", key=key, detail=note)
@@ -326,50 +337,9 @@ def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [prefix]
 
 
-def _tcp_socket(what: str, host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    tcp = socket.socket(family, socket.SOCK_STREAM)
-    tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    # Accepted connections inherit this: a hook answer must not wait for the client's delayed ACK (~40 ms).
-    tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        tcp.bind((host, port))
-    except OSError as exc:
-        tcp.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise ListenInUse(f"{what}: {host}:{port} is already in use ({exc.strerror})") from None
-        raise ConfigError(f"{what}: cannot bind {host}:{port} ({exc.strerror})") from None
-    return tcp
-
-
-def _check_bind(config: Config, section: Literal["api", "proxy"]) -> None:
-    # The config model refuses these already (so `config check` fails as serve does); a Config built
-    # without validation (model_construct) still cannot open a public listener.
-    if problems := config.bind_problems(section):
-        raise ConfigInvalid(problems)
-
-
-def listen_sockets(config: Config) -> list[socket.socket]:
-    api = config.api
-    _check_bind(config, "api")
-    socks = [_tcp_socket("api.listen", api.host, api.port)]
-    if api.unix_socket is not None:
-        path = Path(api.unix_socket)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            uds.bind(str(path))
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
-        socks.append(uds)
-    return socks
-
-
-def _uvicorn(app: Any, *, lifespan: Literal["on", "off"], listener: ListenerState) -> NotifyingServer:
+def _uvicorn(
+    app: Any, *, lifespan: Literal["on", "off"], listener: ListenerState, gate: ReadyGate | None = None
+) -> NotifyingServer:
     return NotifyingServer(
         uvicorn.Config(
             app,
@@ -379,51 +349,35 @@ def _uvicorn(app: Any, *, lifespan: Literal["on", "off"], listener: ListenerStat
             access_log=False,
             timeout_graceful_shutdown=5,
             lifespan=lifespan,
-        )
+        ),
+        gate=gate,
     )
 
 
-# Descriptors kept free for everything that is not a client connection: snapshot files, the state
-# directory, the watcher, connections to llama-server made by the backend, logging.
-FD_RESERVE = 128
-
-
-def ensure_fd_budget(config: Config) -> int:
-    """Raise the soft RLIMIT_NOFILE as far as the hard limit allows, and refuse to start when the
-    listeners' connection caps could still exhaust it (a full table fails every accept, /healthz too)."""
-    need = config.api.max_connections + FD_RESERVE
-    if config.proxy.enabled:
-        need += 2 * config.proxy.max_connections  # each proxied request also holds an upstream connection
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < need:
-        target = need if hard == resource.RLIM_INFINITY else min(max(need, 65536), hard)
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft != resource.RLIM_INFINITY and soft < need:
-        raise ConfigError(
-            f"api.max_connections: the listeners may hold {need} file descriptors but the limit is {soft}",
-            hint="Raise LimitNOFILE (the unit sets 65536) or lower api/proxy.max_connections.",
-        )
-    return int(soft)
-
-
-def build_server(config: Config, **daemon_kwargs: Any) -> tuple[NotifyingServer, list[socket.socket], Daemon]:
+def build_server(
+    config: Config, *, gate: ReadyGate | None = None, **daemon_kwargs: Any
+) -> tuple[NotifyingServer, list[socket.socket], Daemon]:
+    """The daemon and its API server, with its sockets bound (not yet serving). `gate`: told when it runs."""
     daemon = Daemon(config, **daemon_kwargs)
     socks = listen_sockets(config)
-    expected = f"Bearer {daemon.token}".encode() if daemon.token else None
-    daemon.listener = ListenerState("api", Limits.of(config.api), credential=bearer_credential(expected))
-    return _uvicorn(daemon.app(), lifespan="on", listener=daemon.listener), socks, daemon
+    return _uvicorn(daemon.app(), lifespan="on", listener=daemon.listener, gate=gate), socks, daemon
 
 
-def build_proxy(config: Config, daemon: Daemon) -> tuple[NotifyingServer, list[socket.socket], Proxy] | None:
+def build_proxy(
+    config: Config, daemon: Daemon, *, gate: ReadyGate | None = None
+) -> tuple[NotifyingServer, list[socket.socket], Proxy] | None:
     if not config.proxy.enabled:
         return None
-    _check_bind(config, "proxy")
-    sock = _tcp_socket("proxy.listen", config.proxy.host, config.proxy.port)
-    proxy = Proxy(daemon.coordinator, config, token=daemon.token, check_host=is_loopback(config.proxy.host))
-    proxy.fleet = lambda: daemon.fleet_router  # fleet mode: sessions follow their KV to another host's proxy
-    server = _uvicorn(proxy, lifespan="off", listener=proxy.listener)
+    check_bind(config, "proxy")
+    sock = tcp_socket("proxy.listen", config.proxy.host, config.proxy.port)
+    proxy = Proxy(
+        daemon.coordinator,
+        config,
+        token=daemon.token,
+        check_host=is_loopback(config.proxy.host),
+        fleet=lambda: daemon.fleet_router,  # fleet mode: sessions follow their KV to another host's proxy
+    )
+    server = _uvicorn(proxy, lifespan="off", listener=proxy.listener, gate=gate)
     return server, [sock], proxy
 
 
@@ -440,13 +394,11 @@ async def serve(config: Config, **daemon_kwargs: Any) -> None:
 
 
 async def _serve(config: Config, fds: int, stopper: Stopper, **daemon_kwargs: Any) -> None:
-    server, socks, daemon = build_server(config, **daemon_kwargs)
-    proxy = build_proxy(config, daemon)
-    servers = [server, *([proxy[0]] if proxy else [])]
-    stopper.add(*servers)
-    gate = ReadyGate(SystemdNotifier(), expected=len(servers))  # Type=notify: READY=1, STOPPING=1
-    for each in servers:
-        each.gate = gate
+    # Type=notify: READY=1 once every listener runs, STOPPING=1 at the first shutdown
+    gate = ReadyGate(SystemdNotifier(), expected=2 if config.proxy.enabled else 1)
+    server, socks, daemon = build_server(config, gate=gate, **daemon_kwargs)
+    proxy = build_proxy(config, daemon, gate=gate)
+    stopper.add(server, *([proxy[0]] if proxy else []))
     event(
         log,
         logging.INFO,

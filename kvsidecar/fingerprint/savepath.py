@@ -1,7 +1,7 @@
 """Does llama-server save where kvsidecar looks? A server's `snapshot_dir` must be the directory of its
 `--slot-save-path` (or `LLAMA_ARG_SLOT_SAVE_PATH`): otherwise every save lands where kvsidecar never
 finds it and every restore misses. Known only when the local process and its settings can be read
-(`store.llama_process.find_llama_process`); a remote server, or one that cannot be read, is not judged.
+(`fingerprint.llama_process.find_llama_process`); a remote server, or one that cannot be read, is not judged.
 
 `serve` logs the result at start (`kv.config.save_path_mismatch`, code `KV_SAVE_PATH_MISMATCH`) and
 `status` shows it; `doctor` checks the same thing with a probe save.

@@ -5,10 +5,15 @@ This package is the coordination plane only, and is imported only when `fleet.en
 
 | module | owns |
 |---|---|
-| `plane.py` | `FleetPlane`: the Redis connection, its key names, the host registry and the residency map |
+| `plane.py` | `FleetPlane`: the Redis connection, key names, host registry and residency map; `DOWN` |
 | `ownership.py` | session ownership leases with fencing tokens, and the leader lease (atomic Lua scripts) |
-| `agent.py` | `FleetAgent`: what the daemon runs (heartbeat, residency publishing, leader, Redis health) |
+| `gate.py` | `FleetGate`: the right to write a key's files (claims, fencing); the leader's retention |
+| `agent.py` | `FleetAgent`: what the daemon runs (heartbeat, residency, leader, Redis health, the gate) |
+| `routing.py` | `FleetRouter`: which host serves a hook call; forwarding it (through `kvsidecar.client`) |
 | `status.py` | `kvsidecar fleet status`: a fleet-wide report read from Redis directly |
+
+Imports go one way: routing -> agent -> gate -> plane, ownership (the gate types what it needs of the agent
+as `gate.RedisLink`).
 """
 
 from __future__ import annotations

@@ -9,28 +9,37 @@
 - Redis health: the first failure logs one WARNING (`KV_FLEET_REDIS_DOWN`) and the daemon goes on
   serving as a single host; the heartbeat keeps trying and, when Redis answers again, logs the recovery
   and registers everything again (record, residency, leader).
+- The write gate (`FleetGate`, gate.py): built by the agent, which shows its counters (status, metrics).
+- Releases other hosts recorded for this one while it was not live (routing.py queues them): applied
+  after each heartbeat.
+
+It is built before the coordinator, which takes its gate, its residency observer and its status section
+(`view`) at construction; `start(coordinator)` then begins heartbeating that coordinator's slots.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
-from redis.exceptions import RedisError
 
 from kvsidecar import __version__
+from kvsidecar.errors import KvError
 from kvsidecar.fleet import REDIS_DOWN, redacted
+from kvsidecar.fleet.gate import FleetGate
 from kvsidecar.fleet.ownership import Leases
 from kvsidecar.fleet.plane import (
+    DOWN,
     FleetPlane,
     HostRecord,
     ServerRecord,
@@ -44,14 +53,16 @@ from kvsidecar.logs import event
 if TYPE_CHECKING:
     from kvsidecar.config import Config
     from kvsidecar.coordinator.core import Coordinator
-    from kvsidecar.fleet.gate import FleetGate
+    from kvsidecar.coordinator.server import ServerRuntime
+    from kvsidecar.fleet.gate import FenceFactory
+    from kvsidecar.metrics import Metrics
 
 log = logging.getLogger("kvsidecar.fleet")
 
 QUEUE_MAX = 1024
 OP_TIMEOUT_S = 1.0  # each Redis call (socket connect and read); a heartbeat is bounded by 4 of them
-# What a Redis outage looks like from redis-py (a dead socket can also surface as an OSError or a timeout).
-DOWN = (RedisError, OSError, asyncio.TimeoutError)
+RELEASES_KEPT = 1024  # releases recorded for one host that is not live (the oldest are dropped beyond)
+MAX_LEASE_CHARS = 128  # a local lease id is 22 characters (token_urlsafe(16))
 
 
 @dataclass(frozen=True)
@@ -61,19 +72,27 @@ class _Op:
 
 
 class FleetAgent:
-    def __init__(self, config: Config, coordinator: Coordinator, **redis_options: Any) -> None:
+    def __init__(
+        self, config: Config, *, fence_for: FenceFactory, metrics: Metrics | None = None, **redis_options: Any
+    ) -> None:
+        """`fence_for`: the store's fence files (`SnapshotStore.fence_with`), for the gate; `metrics`: the
+        daemon's, which then shows the fleet's series."""
         fleet = config.fleet
         self.settings = fleet
         self.host_id = fleet.effective_host_id()
         self.advertise_url = config.advertise_url()
         self.advertise_proxy_url = config.advertise_proxy_url()
-        self.coordinator = coordinator
+        self.coordinator: Coordinator | None = None  # the host this agent speaks for, from start()
         self.op_timeout_s = OP_TIMEOUT_S
         self.client = connect(fleet.redis_url, timeout_s=self.op_timeout_s, **redis_options)
-        self.plane = FleetPlane(self.client, key_prefix=fleet.key_prefix, host_ttl_s=fleet.host_ttl_s)
-        self.plane.own_host = self.host_id
-        self.plane.local_origins = frozenset(
-            o for s in config.servers.values() if (o := origin_of(s.base_url)) is not None
+        self.plane = FleetPlane(
+            self.client,
+            key_prefix=fleet.key_prefix,
+            host_ttl_s=fleet.host_ttl_s,
+            own_host=self.host_id,
+            local_origins=frozenset(
+                o for s in config.servers.values() if (o := origin_of(s.base_url)) is not None
+            ),
         )
         self.own_origins = own_origins(config)  # never forwarded to (routing.py, proxy/app.py): served here
         self.leases = Leases(self.client, key_prefix=fleet.key_prefix)
@@ -86,22 +105,22 @@ class FleetAgent:
         self.is_leader = False
         self.hosts: dict[str, HostRecord] = {}  # live hosts at the last heartbeat
         self.hosts_fresh = False  # the last heartbeat refreshed `hosts` (else nothing routes by them)
+        self.seen: set[str] = set()  # hosts seen live (routing.py records releases only for those)
         self.heartbeats = 0  # successful ones
         self.last_heartbeat: float | None = None  # wall clock
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._write = asyncio.Lock()  # residency writes: a replace never interleaves with an event
         self._tasks: list[asyncio.Task[None]] = []
-        self.gate: FleetGate | None = None  # the write gate (fencing), installed by the service
-        # Run after each successful heartbeat (the router applies releases recorded for this host)
-        self.after_heartbeat: Callable[[], Awaitable[int]] | None = None
+        self.gate = FleetGate(self, fence_for)  # the write gate (fencing): the coordinator's, in fleet mode
+        if metrics is not None:
+            metrics.registry.register(FleetCollector(self))
 
     # lifecycle ---------------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start the heartbeat and the publisher; returns at once (Redis may be down: serving goes on)."""
-        self.coordinator.telemetry.observers.append(self)
-        self.coordinator.fleet_view = self.view  # the `fleet` section of GET /v1/status
-        self.coordinator.metrics.registry.register(FleetCollector(self))
+    def start(self, coordinator: Coordinator) -> None:
+        """Start the heartbeat and the publisher for `coordinator` (the one built with this agent's gate,
+        observer and view); returns at once (Redis may be down: serving goes on)."""
+        self.coordinator = coordinator
         self._tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="kv-fleet-heartbeat"),
             asyncio.create_task(self._publish_loop(), name="kv-fleet-publish"),
@@ -133,9 +152,6 @@ class FleetAgent:
         self.redis_up = False
         with contextlib.suppress(*DOWN):
             await self.client.aclose()
-        if self in self.coordinator.telemetry.observers:
-            self.coordinator.telemetry.observers.remove(self)
-        self.coordinator.fleet_view = None
 
     # the observer (called inside acquires: no awaits, never raises) ----------------------------------
     def slot_loaded(self, server: str, slot: int, key: str) -> None:
@@ -209,11 +225,47 @@ class FleetAgent:
         self.is_leader = await self.leases.campaign(self.host_id, self.settings.host_ttl_s)
         self.hosts = await self.plane.live_hosts()
         self.hosts_fresh = True
+        if len(self.seen) < RELEASES_KEPT:
+            self.seen.update(self.hosts)
         self.heartbeats += 1
         self.last_heartbeat = time.time()
         self._came_back()
-        if self.after_heartbeat is not None:
-            await self.after_heartbeat()
+        await self.apply_releases()
+
+    async def apply_releases(self) -> int:
+        """Apply the releases other hosts recorded for this one while it was not live (after each
+        heartbeat). Each entry is hostile input: anything but a lease id and a valid release body is
+        skipped. Returns how many leases were released."""
+        from kvsidecar.api.bodies import ReleaseBody  # the release route's own body model
+
+        if self.coordinator is None:
+            return 0
+        key = f"{self.settings.key_prefix}:releases:{self.host_id}"
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.lrange(key, 0, RELEASES_KEPT - 1)
+            pipe.ltrim(key, RELEASES_KEPT, -1)
+            items, _ = await pipe.execute()
+        released = 0
+        for raw in items if isinstance(items, list) else []:
+            try:
+                data = json.loads(raw) if isinstance(raw, bytes | str) and len(raw) <= 4096 else None
+                lease = data.pop("lease", None) if isinstance(data, dict) else None
+                if not isinstance(lease, str) or not lease or len(lease) > MAX_LEASE_CHARS:
+                    continue
+                body = ReleaseBody.model_validate(data)
+                await self.coordinator.release(
+                    lease,
+                    status=body.status,
+                    prompt_tokens=body.prompt_tokens,
+                    cached_tokens=body.cached_tokens,
+                    prompt_ms=body.prompt_ms,
+                )
+                released += 1
+            except (ValueError, KvError):  # not one of ours, or the lease ended meanwhile
+                continue
+        if released:
+            event(log, logging.INFO, "kv.fleet.releases_applied", count=released)
+        return released
 
     def went_down(self, exc: BaseException) -> None:
         self.ping_ms = None
@@ -237,36 +289,27 @@ class FleetAgent:
             self._wake.set()
 
     # what this host is -------------------------------------------------------------------------------
+    # (a host not started yet holds nothing)
     def sid(self, key: str) -> str:
         """The session hash of a key this host knows ("" if it knows none)."""
-        rt = self.coordinator.sessions.get(key)
+        rt = self.coordinator.sessions.get(key) if self.coordinator is not None else None
         return session_hash(rt.identity.session_id) if rt is not None else ""
 
     def residency(self) -> dict[str, tuple[str, int]]:
         """Session key -> (server, slot), from the coordinator's slots (the truth)."""
+        host = self.coordinator
         return {
             slot.owner: (srv.name, slot.id)
-            for srv in self.coordinator.servers.values()
+            for srv in (host.servers.values() if host is not None else ())
             for slot in srv.slots.values()
             if slot.owner is not None
         }
 
     def record(self) -> HostRecord:
-        dirty = self.coordinator.sessions.is_dirty
-        servers = []
-        for srv in self.coordinator.servers.values():
-            slots = list(srv.slots.values())
-            idle = [s for s in slots if s.holder is None]
-            servers.append(
-                ServerRecord(
-                    name=srv.name,
-                    base_url=srv.config.base_url,
-                    fingerprint=srv.fingerprint.digest if srv.fingerprint is not None else None,
-                    slots_total=len(slots),
-                    slots_free=sum(1 for s in idle if s.owner is None),
-                    slots_clean=sum(1 for s in idle if s.owner is not None and not dirty(s.owner)),
-                )
-            )
+        host = self.coordinator
+        servers = (
+            [] if host is None else [_server_record(s, host.sessions.is_dirty) for s in host.servers.values()]
+        )
         return HostRecord(
             host_id=self.host_id,
             advertise_url=self.advertise_url,
@@ -295,9 +338,24 @@ class FleetAgent:
             "heartbeat_age_s": age,
             "publish_queue": len(self.queue),
             "publish_dropped": self.dropped,
-            "owned_sessions": len(self.gate.tokens) if self.gate is not None else 0,
-            "fenced": self.gate.fence.refused if self.gate is not None else 0,
+            "owned_sessions": len(self.gate.tokens),
+            "fenced": self.gate.fence.refused,
         }
+
+
+def _server_record(srv: ServerRuntime, dirty: Callable[[str], bool]) -> ServerRecord:
+    """One server of this host's record: its runtime and how many of its slots are free, or clean (owned
+    by a session whose turns are all saved: its eviction costs no save)."""
+    slots = list(srv.slots.values())
+    idle = [s for s in slots if s.holder is None]
+    return ServerRecord(
+        name=srv.name,
+        base_url=srv.config.base_url,
+        fingerprint=srv.fingerprint.digest if srv.fingerprint is not None else None,
+        slots_total=len(slots),
+        slots_free=sum(1 for s in idle if s.owner is None),
+        slots_clean=sum(1 for s in idle if s.owner is not None and not dirty(s.owner)),
+    )
 
 
 def own_origins(config: Config) -> frozenset[str]:
@@ -331,16 +389,15 @@ class FleetCollector(Collector):
         yield GaugeMetricFamily(
             "kvsidecar_fleet_leader", "1 if this host holds the fleet's leader lease", value=a.is_leader
         )
-        gate = a.gate
         yield CounterMetricFamily(
             "kvsidecar_fleet_fenced",
             "Writes and deletes of a session's files refused by the shared store's fence (a stale token)",
-            value=gate.fence.refused if gate is not None else 0,
+            value=a.gate.fence.refused,
         )
         yield CounterMetricFamily(
             "kvsidecar_fleet_taken_over",
             "Claims that found another host had owned the session since (this host's copy was dropped)",
-            value=gate.taken_over if gate is not None else 0,
+            value=a.gate.taken_over,
         )
         yield CounterMetricFamily(
             "kvsidecar_fleet_records_refused",

@@ -19,22 +19,37 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from kvsidecar.coordinator.ownership import Claim
+from kvsidecar.config import FleetConfig
+from kvsidecar.coordinator.ownership import Claim, KeyOwnership
 from kvsidecar.errors import KvError
-from kvsidecar.fleet.agent import DOWN
+from kvsidecar.fleet.ownership import Leases
+from kvsidecar.fleet.plane import DOWN, FleetPlane
 from kvsidecar.logs import event
 from kvsidecar.store.fence import FenceFiles
-
-if TYPE_CHECKING:
-    from kvsidecar.fleet.agent import FleetAgent
 
 log = logging.getLogger("kvsidecar.fleet")
 
 
+class RedisLink(Protocol):
+    """What the gate and the leader's retention need of the agent (`FleetAgent`, which builds the gate and
+    shows its counters): this host's id, whether Redis answers, and the calls to it. Typed here so that the
+    gate never imports the agent."""
+
+    host_id: str
+    settings: FleetConfig
+    op_timeout_s: float
+    redis_up: bool
+    is_leader: bool
+    leases: Leases
+    plane: FleetPlane
+
+    def went_down(self, exc: BaseException) -> None: ...
+
+
 class FleetGate:
-    def __init__(self, agent: FleetAgent, fence_for: FenceFactory) -> None:
+    def __init__(self, agent: RedisLink, fence_for: FenceFactory) -> None:
         self.agent = agent
         self.tokens: dict[str, int] = {}  # key -> the token this host holds (its writes carry it)
         self.fence = fence_for(self.token_for)
@@ -131,10 +146,18 @@ class LeaderRetention:
     """Retention in fleet mode (kvsidecar.retention.FleetRetention): the leader alone runs it, over the whole
     shared directory, against the configured limits (the fleet-wide quota); every deletion is fenced."""
 
-    def __init__(self, agent: FleetAgent, gate: FleetGate, reload_all: Callable[[], object]) -> None:
+    def __init__(
+        self,
+        agent: RedisLink,
+        gate: FleetGate,
+        reload_all: Callable[[], object],
+        *,
+        ownership: KeyOwnership,
+    ) -> None:
         self.agent = agent
         self.gate = gate
         self.reload_all = reload_all
+        self.ownership = ownership  # the coordinator's: what this host holds, and its claims
         self._taken: dict[str, int | None] = {}  # key -> the token retention's claim held
 
     async def prepare(self) -> set[str] | None:
@@ -154,7 +177,7 @@ class LeaderRetention:
         return held
 
     async def claim(self, key: str) -> bool:
-        ownership = self.agent.coordinator.ownership
+        ownership = self.ownership
         if ownership.held_here(key):
             return False  # resident or busy on this host (the leader serves sessions too)
         if not (await ownership.claim(key)).write:
@@ -163,7 +186,7 @@ class LeaderRetention:
         return True
 
     async def done(self, key: str) -> None:
-        ownership = self.agent.coordinator.ownership
+        ownership = self.ownership
         token = self._taken.pop(key, None)
         await self.gate.let_go(key, token, unless=lambda: ownership.held_here(key))
 

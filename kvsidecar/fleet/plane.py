@@ -17,6 +17,7 @@ heartbeats (see docs/FLEET.md for what a lost fencing counter means).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import ipaddress
@@ -36,6 +37,7 @@ import xxhash
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from kvsidecar.config import HOST_ID, http_origin
 from kvsidecar.logs import event
@@ -160,6 +162,11 @@ def session_hash(session_id: str) -> str:
     return xxhash.xxh3_64_hexdigest(b"kvsidecar-session\0" + session_id.encode())
 
 
+# What a Redis outage looks like from redis-py (a dead socket can also surface as an OSError or a timeout):
+# every caller of the plane, the leases and the gate catches exactly these and goes on without Redis.
+DOWN: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
+
+
 def connect(url: str, *, timeout_s: float, **extra: Any) -> aioredis.Redis:
     """A client that never waits long: one retry (a pooled connection a restarted Redis closed is found
     dead only when used), then the error goes to the caller, whose loop tries again later."""
@@ -179,16 +186,24 @@ def connect(url: str, *, timeout_s: float, **extra: Any) -> aioredis.Redis:
 class FleetPlane:
     """The host registry and the residency map, over one Redis client (the caller owns its lifetime)."""
 
-    def __init__(self, client: aioredis.Redis, *, key_prefix: str, host_ttl_s: float) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        key_prefix: str,
+        host_ttl_s: float,
+        own_host: str | None = None,
+        local_origins: frozenset[str] = frozenset(),
+    ) -> None:
         self.redis = client
         self.prefix = key_prefix
         self.host_ttl_ms = max(1, int(host_ttl_s * 1000))
         self.refused_records = 0  # host records read and refused (not a record we write: forged, garbage)
         self.refused_hosts: set[str] = set()  # refused at the last read (each logged once)
-        # Set by the agent: this host's id and the origins a peer's URLs must never name (its llama-servers):
-        # a record that would send this host's calls there is refused.
-        self.own_host: str | None = None
-        self.local_origins: frozenset[str] = frozenset()
+        # The agent's: this host's id and the origins a peer's URLs must never name (its llama-servers): a
+        # record that would send this host's calls there is refused. `fleet status` reads with neither.
+        self.own_host = own_host
+        self.local_origins = local_origins
 
     # key names ---------------------------------------------------------------------------------------
     def key(self, *parts: str) -> str:

@@ -26,24 +26,24 @@ import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 from starlette.responses import Response
 
+from kvsidecar.client import AsyncKvSidecar, wire
 from kvsidecar.client.wire import segment
 from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.ownership import Claim
 from kvsidecar.errors import KvError, LeaseNotFound, NotFound
-from kvsidecar.fleet.agent import DOWN
-from kvsidecar.fleet.plane import HostRecord, session_hash
-from kvsidecar.http.router import DEADLINE_HEADER, HOP_HEADER
+from kvsidecar.fleet.agent import MAX_LEASE_CHARS, RELEASES_KEPT
+from kvsidecar.fleet.plane import DOWN, HostRecord, session_hash
+from kvsidecar.http.guards import DEADLINE_HEADER, HOP_HEADER
 from kvsidecar.logs import event
 
 if TYPE_CHECKING:
     from kvsidecar.coordinator.core import Coordinator
     from kvsidecar.fleet.agent import FleetAgent
-    from kvsidecar.fleet.gate import FleetGate
 
 log = logging.getLogger("kvsidecar.fleet")
 
@@ -54,9 +54,7 @@ UNREACHABLE = (httpx.TransportError,)
 # Hops a call may take: 1, a host routed it (the receiver serves it unless another host claimed the session
 # meanwhile: then it follows the claim once more); 2, served where it lands.
 MAX_HOPS = 2
-RELEASES_KEPT = 1024  # releases recorded for one host that is not live (the oldest are dropped beyond)
 MAX_DEADLINE_MS = 999_999_999  # the most X-KV-Deadline-Ms says (9 digits; forward_timeout_s has no cap)
-MAX_LEASE_CHARS = 128  # a local lease id is 22 characters (token_urlsafe(16))
 
 
 class Forwarded(Response):
@@ -65,30 +63,34 @@ class Forwarded(Response):
 
 class FleetRouter:
     def __init__(
-        self, agent: FleetAgent, gate: FleetGate, coordinator: Coordinator, token: str | None
+        self,
+        agent: FleetAgent,
+        coordinator: Coordinator,
+        *,
+        token: str | None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        """`token`: the fleet's shared API token, sent to every peer; `transport`: tests' stand-in peers."""
         self.agent = agent
-        self.gate = gate
         self.coordinator = coordinator
         self.host_id = agent.host_id
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        timeout = httpx.Timeout(agent.settings.forward_timeout_s, connect=agent.op_timeout_s)
-        self.http = httpx.AsyncClient(headers=headers, timeout=timeout, trust_env=False)
+        # The peers' hook API, through the hook-API client; never an environment proxy between hosts.
+        self.peers = AsyncKvSidecar(
+            token=token,
+            timeout_s=httpx.Timeout(agent.settings.forward_timeout_s, connect=agent.op_timeout_s),
+            transport=transport,
+            trust_env=False,
+        )
         self.placed: dict[str, tuple[float, int]] = {}  # host -> (heartbeat seen, placements since)
-        self.seen: set[str] = set()  # hosts this one has seen live (a release may be recorded for them)
-        agent.after_heartbeat = self.drain_releases
 
     async def aclose(self) -> None:
-        await self.http.aclose()
+        await self.peers.aclose()
 
     # where ---------------------------------------------------------------------------------------------
     def _live(self) -> dict[str, HostRecord]:
         """The live hosts to route by: none while Redis is down or the last heartbeat could not read them."""
         agent = self.agent
-        live = dict(agent.hosts) if agent.redis_up and agent.hosts_fresh else {}
-        if len(self.seen) < RELEASES_KEPT:
-            self.seen.update(live)
-        return live
+        return dict(agent.hosts) if agent.redis_up and agent.hosts_fresh else {}
 
     async def owner_of(self, key: str) -> str | None:
         """The live host where `key` belongs now (its lease, then its residency; this host included), or
@@ -169,8 +171,9 @@ class FleetRouter:
             budget = min(budget, left)
         budget_ms = min(MAX_DEADLINE_MS, max(1, int(budget * 1000)))  # the receiver takes 1-9 digits
         headers = {HOP_HEADER: str(hop + 1), DEADLINE_HEADER: str(budget_ms)}
-        url = record.advertise_url.rstrip("/") + path  # an origin (plane.HostRecord.from_json): our path
-        request = self.http.request(method, url, json=body, headers=headers)
+        # an origin (plane.HostRecord.from_json), then our path; the answer comes back as it is
+        call = wire.raw(cast("wire.Method", method), path, body)  # the method of one of our routes
+        request = self.peers.send(call, origin=record.advertise_url, headers=headers)
         try:
             async with asyncio.timeout(budget):
                 answer = await self._while_live(host_id, request, caller)
@@ -339,10 +342,11 @@ class FleetRouter:
 
     async def _queue_release(self, host_id: str, local: str, body: dict[str, Any]) -> dict[str, Any]:
         """A release for a host that is not live (stopped, partitioned) or cannot be reached: recorded in
-        Redis for that host, which applies it at its next heartbeat once it is back (`drain_releases`);
-        until then its lease holds a slot nobody can use anyway. Only for a host this one has seen live
-        (a made-up host id is no lease: 404), and bounded (RELEASES_KEPT per host, for lease_ttl_s)."""
-        if host_id not in self.seen or len(local) > MAX_LEASE_CHARS:
+        Redis for that host, which applies it at its next heartbeat once it is back
+        (`FleetAgent.apply_releases`); until then its lease holds a slot nobody can use anyway. Only for a
+        host this one has seen live (a made-up host id is no lease: 404), and bounded (RELEASES_KEPT per
+        host, for lease_ttl_s)."""
+        if host_id not in self.agent.seen or len(local) > MAX_LEASE_CHARS:
             raise LeaseNotFound("no such lease (its host is unknown here)")
         item = json.dumps({**body, "lease": local}, separators=(",", ":"))
         key = f"{self.agent.settings.key_prefix}:releases:{host_id}"
@@ -362,41 +366,6 @@ class FleetRouter:
             ) from None
         event(log, logging.WARNING, "kv.fleet.release_queued", host=host_id)
         return {"released": False, "dirty": False, "queued": True, "host": host_id}
-
-    async def drain_releases(self) -> int:
-        """Apply the releases other hosts recorded for this one while it was not live (called after each
-        heartbeat). Each entry is hostile input: anything but a lease id and a valid release body is
-        skipped. Returns how many leases were released."""
-        from kvsidecar.api.routes import ReleaseBody  # the release route's own body model (api imports us)
-
-        if len(self.seen) < RELEASES_KEPT:
-            self.seen.update(self.agent.hosts)
-        key = f"{self.agent.settings.key_prefix}:releases:{self.host_id}"
-        async with self.agent.client.pipeline(transaction=True) as pipe:
-            pipe.lrange(key, 0, RELEASES_KEPT - 1)
-            pipe.ltrim(key, RELEASES_KEPT, -1)
-            items, _ = await pipe.execute()
-        released = 0
-        for raw in items if isinstance(items, list) else []:
-            try:
-                data = json.loads(raw) if isinstance(raw, bytes | str) and len(raw) <= 4096 else None
-                lease = data.pop("lease", None) if isinstance(data, dict) else None
-                if not isinstance(lease, str) or not lease or len(lease) > MAX_LEASE_CHARS:
-                    continue
-                body = ReleaseBody.model_validate(data)
-                await self.coordinator.release(
-                    lease,
-                    status=body.status,
-                    prompt_tokens=body.prompt_tokens,
-                    cached_tokens=body.cached_tokens,
-                    prompt_ms=body.prompt_ms,
-                )
-                released += 1
-            except (ValueError, KvError):  # not one of ours, or the lease ended meanwhile
-                continue
-        if released:
-            event(log, logging.INFO, "kv.fleet.releases_applied", count=released)
-        return released
 
     async def _holding(self, session_id: str) -> set[str]:
         live = self._live()

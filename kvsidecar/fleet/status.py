@@ -12,15 +12,7 @@ from typing import Any
 from kvsidecar.config import FleetConfig
 from kvsidecar.fleet import redacted
 from kvsidecar.fleet.ownership import Leases
-from kvsidecar.fleet.plane import FleetPlane, HostRecord, connect
-
-DOWN_EXC: tuple[type[BaseException], ...]
-try:  # imported here so that the CLI module itself never needs redis
-    from redis.exceptions import RedisError
-
-    DOWN_EXC = (RedisError, OSError, asyncio.TimeoutError)
-except ImportError:  # pragma: no cover - redis is a dependency
-    DOWN_EXC = (OSError, asyncio.TimeoutError)
+from kvsidecar.fleet.plane import DOWN, FleetPlane, HostRecord, connect
 
 
 def _host_view(record: HostRecord, sessions: int, now: float) -> dict[str, Any]:
@@ -60,10 +52,10 @@ async def gather(fleet: FleetConfig, *, timeout_s: float = 2.0, **redis_options:
         redis["up"] = True
         now = time.time()
         out["hosts"] = [_host_view(hosts[h], sessions.get(h, 0), now) for h in sorted(hosts)]
-    except DOWN_EXC as exc:
+    except DOWN as exc:
         redis["error"] = type(exc).__name__  # its text may name the server; never the URL's password
     finally:
-        with contextlib.suppress(*DOWN_EXC):
+        with contextlib.suppress(*DOWN):
             await client.aclose()
     return out
 

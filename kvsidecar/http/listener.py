@@ -3,7 +3,8 @@
 uvicorn times out an idle kept-alive connection, but nothing else: a client that opens a connection and
 sends half a request head (or a body at one byte a minute, or stops reading an answer) holds its file
 descriptor and, in the proxy, its slot lease for as long as it likes. This protocol is uvicorn's own
-httptools protocol with four limits per listener (`api.*` / `proxy.*` in the config):
+httptools protocol with four limits per listener (`api.*` / `proxy.*` in the config; the listener's
+state, its counters and canned answers are `kvsidecar.http.limits`):
 
 - `header_timeout_s`: a request head must be complete this long after the connection opened or the
   previous answer ended; else the connection is closed (408 when it can be said without blocking).
@@ -38,7 +39,8 @@ A request the HTTP parser refuses (a bad request line or header, two Content-Len
 framing) is answered 400 `KV_BAD_REQUEST` in the listener's error shape and the connection closed, in place
 of uvicorn's plain-text 400. On a pipelined connection the answers to the requests before it go out whole
 first (a bad request queued behind them never reaches the app), and the 400 follows them; it is never
-written into another answer. Every canned answer is `_canned` in the listener's shape (the proxy's: OpenAI's).
+written into another answer. Every canned answer is in the listener's shape (the proxy's: OpenAI's),
+built by its state (`kvsidecar.http.limits.ListenerState`).
 
 Every limit is a timer armed and disarmed on events the protocol sees anyway (two `call_later` per
 request), so the hook fast path pays a few microseconds (measured: bench_hooks p50 +0.01-0.02 ms).
@@ -47,26 +49,14 @@ request), so the hook fast path pays a few microseconds (measured: bench_hooks p
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from http import HTTPStatus
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from kvsidecar.errors import (
-    BadRequest,
-    HeadersTooLarge,
-    KvError,
-    RequestTimeout,
-    TooManyBodies,
-    TooManyConnections,
-    http_status,
-)
+from kvsidecar.http.limits import ListenerState
 from kvsidecar.logs import event
 
 log = logging.getLogger("kvsidecar.listener")
@@ -77,202 +67,10 @@ MAX_HEADERS = 64
 MAX_HEADER_LINE = 8000  # `name: value`, without the CRLF
 MAX_TARGET = 8192
 MAX_HEAD_BYTES = 32 * 1024  # the target and every header line together
-Credential = Callable[[list[tuple[bytes, bytes]]], bytes]
-
-
-def _anyone(_: list[tuple[bytes, bytes]]) -> bytes:
-    return b""
-
-
-def token_matches(headers: Mapping[bytes, bytes], expected: bytes, api_key_header: bool = False) -> bool:
-    """The request carries the token: `Authorization` is `expected` (`Bearer <token>`), compared in constant
-    time. With `api_key_header`, `X-Api-Key: <token>` is accepted too, and a request that carries both must
-    carry the token in both (two credentials that disagree are never resolved by picking one)."""
-    auth = headers.get(b"authorization")
-    key = headers.get(b"x-api-key") if api_key_header else None
-    if auth is None and key is None:
-        return False
-    ok = True
-    if auth is not None:
-        ok &= hmac.compare_digest(auth, expected)
-    if key is not None:
-        ok &= hmac.compare_digest(b"Bearer " + key, expected)
-    return ok
-
-
-def bearer_credential(expected: bytes | None, *, api_key_header: bool = False) -> Credential:
-    """A listener's slow-body buckets: requests carrying its bearer token (`expected`, the whole
-    `Authorization` value; with `api_key_header`, also `X-Api-Key: <token>`, as the proxy accepts it), and
-    everything else (no token configured: one bucket for all). A request whose credential headers
-    disagree, or that repeats one, is not the token's."""
-    if expected is None:
-        return _anyone
-
-    def credential(headers: list[tuple[bytes, bytes]]) -> bytes:
-        seen: dict[bytes, bytes] = {}
-        for name, value in headers:
-            if name == b"authorization" or (api_key_header and name == b"x-api-key"):
-                if name in seen:
-                    return b""
-                seen[name] = value
-        return b"token" if token_matches(seen, expected, api_key_header) else b""
-
-    return credential
 
 
 class _Refused(Exception):
     """Raised from a parser callback (the parser stops there): the head is refused, see `_refuse_head`."""
-
-
-def _canned(error: KvError, shape: Callable[[KvError], Any] | None = None) -> bytes:
-    """A whole `connection: close` error answer, written by the protocol itself (no app involved), in the
-    listener's error shape (default: the hook API's); a 503 says when to try again (`retry-after`, seconds,
-    as the apps' own 503s do)."""
-    body = json.dumps(shape(error) if shape is not None else {"error": error.to_dict()}).encode()
-    status = http_status(error)
-    retry = "retry-after: 1\r\n" if status in (HTTPStatus.SERVICE_UNAVAILABLE, 429) else ""
-    head = (
-        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
-        f"{retry}connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-def _refused() -> KvError:
-    return TooManyConnections("too many connections, every one busy with a request")
-
-
-def _timed_out() -> KvError:
-    return RequestTimeout("the request head did not arrive in time")
-
-
-def _malformed() -> KvError:
-    return BadRequest(
-        "malformed HTTP request (request line, header, Content-Length or chunked framing)",
-        hint="Send one well-formed HTTP/1.1 request; the connection was closed.",
-    )
-
-
-def _too_large(what: str) -> KvError:
-    return HeadersTooLarge(f"request head too large: {what}")
-
-
-def _bad_target() -> KvError:
-    return BadRequest(
-        "the request target must be a path (/...) or an http(s) URL without userinfo",
-        hint="Send the request to kvsidecar directly, as to an origin server; the connection was closed.",
-    )
-
-
-def _too_slow() -> KvError:
-    return TooManyBodies("too many request bodies of this credential are arriving slowly")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Limits:
-    max_connections: int
-    header_timeout_s: float
-    body_timeout_s: float
-    client_stall_s: float
-    max_slow_bodies: int = 32
-    slow_body_s: float = 1.0
-
-    @classmethod
-    def of(cls, section: Any) -> Limits:
-        """From an `api` or `proxy` config section."""
-        return cls(
-            max_connections=section.max_connections,
-            header_timeout_s=section.header_timeout_s,
-            body_timeout_s=section.body_timeout_s,
-            client_stall_s=section.client_stall_s,
-            max_slow_bodies=section.max_slow_bodies,
-            slow_body_s=section.slow_body_s,
-        )
-
-
-@dataclass
-class ListenerState:
-    """One listener's open connections, oldest first, and what its limits did (for tests and logs)."""
-
-    name: str
-    limits: Limits
-    shape: Callable[[KvError], Any] | None = None  # its error bodies (the proxy: OpenAI's), see _canned
-    credential: Credential = _anyone  # whose a request is, from its headers (the slow-body buckets)
-    open: dict[LimitedHttpProtocol, None] = field(default_factory=dict)
-    slow: dict[bytes, dict[LimitedHttpProtocol, None]] = field(default_factory=dict)  # by credential
-    accepted: int = 0  # connections the listener took in, admitted or not
-    evicted: int = 0
-    refused: int = 0
-    timed_out: int = 0
-    stalled: int = 0
-    bad_requests: int = 0  # requests the HTTP parser refused
-    too_large: int = 0  # request heads over the limits (431)
-    bad_targets: int = 0  # request targets in a form other than origin- or absolute-form http(s)
-    too_slow: int = 0  # bodies cut for their credential's slow-body cap (or to make room at the cap)
-    refused_answer: bytes = field(init=False, repr=False)
-    timed_out_answer: bytes = field(init=False, repr=False)
-    bad_request_answer: bytes = field(init=False, repr=False)
-    bad_target_answer: bytes = field(init=False, repr=False)
-    too_slow_answer: bytes = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.refused_answer = _canned(_refused(), self.shape)
-        self.timed_out_answer = _canned(_timed_out(), self.shape)
-        self.bad_request_answer = _canned(_malformed(), self.shape)
-        self.bad_target_answer = _canned(_bad_target(), self.shape)
-        self.too_slow_answer = _canned(_too_slow(), self.shape)
-
-    def too_large_answer(self, what: str) -> bytes:
-        return _canned(_too_large(what), self.shape)
-
-    def admit(self, conn: LimitedHttpProtocol) -> bool:
-        self.accepted += 1
-        if len(self.open) >= self.limits.max_connections:
-            # Half-sent heads go first (what a slowloris holds), then connections that sent nothing
-            # (fresh, or kept alive between requests); oldest first. A request in progress never goes.
-            idle = [c for c in self.open if c.waiting_for_head]
-            oldest = next((c for c in idle if c.head_begun), None) or next(iter(idle), None)
-            if oldest is None:
-                # Then a body still arriving, of a credential with more of them than max_slow_bodies
-                # (the one with the most): its oldest. Else every connection is busy: refused.
-                uploading = [c for c in self.open if c.body_pending]
-                per: dict[bytes, int] = {}
-                for c in uploading:
-                    per[c.credential] = per.get(c.credential, 0) + 1
-                heaviest = max(per, key=lambda k: per[k], default=None)
-                if heaviest is None or per[heaviest] <= self.limits.max_slow_bodies:
-                    self.refused += 1
-                    return False
-                victim = next(c for c in uploading if c.credential == heaviest)
-                self.drop(victim)
-                victim.cut_slow_body()
-            else:
-                self.evicted += 1
-                self.drop(oldest)
-                oldest.abort()
-        self.open[conn] = None
-        return True
-
-    def drop(self, conn: LimitedHttpProtocol) -> None:
-        self.open.pop(conn, None)
-        self.unslow(conn)
-
-    def unslow(self, conn: LimitedHttpProtocol) -> None:
-        bucket = self.slow.get(conn.credential)
-        if bucket is not None:
-            bucket.pop(conn, None)
-            if not bucket:
-                del self.slow[conn.credential]
-
-    def count_slow(self, conn: LimitedHttpProtocol) -> bool:
-        """Count `conn`'s body as slow for its credential; False when the credential is at its cap."""
-        bucket = self.slow.setdefault(conn.credential, {})
-        if conn in bucket:
-            return True
-        if len(bucket) >= self.limits.max_slow_bodies:
-            return False
-        bucket[conn] = None
-        return True
 
 
 class LimitedHttpProtocol(HttpToolsProtocol):

@@ -1,7 +1,7 @@
 """The OpenAPI document of the hook API's route table, written by FastAPI from the same `Route`s that
-`kvsidecar.router` serves, so it says what the server answers:
+`kvsidecar.http.router` serves, so it says what the server answers:
 
-- every route's 200 answer has its schema (`Route.returns`, models in `kvsidecar.api_models`);
+- every route's 200 answer has its schema (`Route.returns`, models in `kvsidecar.api.models`);
 - every error status a route can answer is declared with the `ErrorBody` schema and the stable codes
   behind it (`x-kv-codes`, from `kvsidecar.errors.HTTP_STATUS`), from the steps every request takes
   (the listener's HTTP parsing and connection cap, Host, token, body cap, shutdown, path parameters,
@@ -16,9 +16,8 @@ The document is built once per app, on first use; building it costs nothing on t
 from __future__ import annotations
 
 import inspect
-import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Security
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -36,11 +35,8 @@ from kvsidecar.errors import (
     TooManyConnections,
     Unauthorized,
 )
+from kvsidecar.http.routes import Param, Route, path_params
 
-if TYPE_CHECKING:
-    from kvsidecar.http.router import Param, Route
-
-_PARAM = re.compile(r"\{(\w+)\}")
 BEARER = "bearer"  # the security scheme's name in the document
 _RETRY = {SlotBusy.code, ShuttingDown.code, TooManyConnections.code}  # 503s that say Retry-After
 
@@ -61,14 +57,14 @@ def error_codes(
     route: Route, params: Mapping[str, Param], *, token: bool, check_host: bool
 ) -> dict[int, list[str]]:
     """Status -> the error codes this route can answer with it, in the order of the request's steps."""
-    # 400 on every route: a request the HTTP parser refuses (the listener answers it, kvsidecar.listener),
-    # and, with `check_host`, a Host header that is not loopback (DNS rebinding).
+    # 400 on every route: a request the HTTP parser refuses (the listener answers it,
+    # kvsidecar.http.listener), and, with `check_host`, a Host header that is not loopback (DNS rebinding).
     kinds: list[type[KvError]] = [BadRequest]
     if not route.public:
         kinds += [Unauthorized] if token else []
         kinds.append(ShuttingDown)  # the app is stopping (lifespan shutdown, or the request cancelled)
     kinds.append(PayloadTooLarge)
-    for name in _PARAM.findall(route.path):
+    for name in path_params(route.path):
         kinds += params[name].errors
     if route.query is not None or route.body is not None:
         kinds.append(BadRequest)
@@ -155,7 +151,7 @@ def _stand_in(route: Route, params: Mapping[str, Param]) -> Callable[..., Awaita
         raise AssertionError("documentation only")
 
     kw = inspect.Parameter.KEYWORD_ONLY
-    signature = [inspect.Parameter(n, kw, annotation=params[n].schema) for n in _PARAM.findall(route.path)]
+    signature = [inspect.Parameter(n, kw, annotation=params[n].schema) for n in path_params(route.path)]
     if route.query is not None:
         signature.append(inspect.Parameter("query", kw, annotation=Annotated[route.query, Query()]))
     if route.body is not None:

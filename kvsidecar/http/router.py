@@ -1,6 +1,7 @@
-"""The hook API's one router: every route is one `Route` in one table. This module serves the table and
-describes it (OpenAPI, written by FastAPI from the same table), so what is served and what is documented
-cannot drift apart, and no route has a second definition that could answer differently.
+"""The hook API's one router: every route is one `Route` (`kvsidecar.http.routes`) in one table. This
+module serves the table and describes it (OpenAPI, written by FastAPI from the same table in
+`kvsidecar.http.openapi`), so what is served and what is documented cannot drift apart, and no route has a
+second definition that could answer differently.
 
 Why FastAPI does not dispatch: acquire and release run around every model call. With FastAPI routing every
 request, bench/bench_hooks.py measured p50 0.97 ms and 0.43 ms of daemon CPU per call, against 0.76 ms and
@@ -8,7 +9,8 @@ request, bench/bench_hooks.py measured p50 0.97 ms and 0.43 ms of daemon CPU per
 
 Every request takes the same steps, in this order, whatever the route:
 
-1. Host header (loopback listeners: DNS-rebinding guard) and bearer token, except on public routes;
+1. Host header (loopback listeners: DNS-rebinding guard) and bearer token (`kvsidecar.http.guards`),
+   except on public routes;
    once the app's lifespan shutdown has begun, 503 `KV_SHUTTING_DOWN` (with `Retry-After`), except on
    public routes; a declared Content-Length over the cap: 413. Nothing is read before these pass.
 2. The body, up to `max_body_bytes` (413 beyond).
@@ -28,7 +30,7 @@ Every request takes the same steps, in this order, whatever the route:
    once the client disconnects (watched for while the handler runs: uvicorn does not cancel a handler
    whose client left) or its `X-KV-Deadline-Ms` budget is spent (1-9 digits, else 400 `KV_BAD_REQUEST`).
 
-The OpenAPI document (`kvsidecar.openapi`) is written from the same table and declares exactly these
+The OpenAPI document (`kvsidecar.http.openapi`) is written from the same table and declares exactly these
 answers. There is no `/docs` or `/redoc`: FastAPI's pages load Swagger UI / ReDoc from a CDN, which an
 offline box cannot reach; `/openapi.json` is served (same auth) for any viewer.
 """
@@ -37,22 +39,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import re
 import traceback
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import parse_qsl, quote, unquote
 
-from fastapi.encoders import jsonable_encoder
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from kvsidecar.config import is_loopback
 from kvsidecar.coordinator.caller import Caller, deadline_from_budget
 from kvsidecar.errors import (
     BadRequest,
@@ -62,207 +59,21 @@ from kvsidecar.errors import (
     NotFound,
     PayloadTooLarge,
     ShuttingDown,
-    SlotBusy,
-    Unauthorized,
-    http_status,
 )
-from kvsidecar.http.listener import token_matches
+from kvsidecar.http.guards import deadline_budget, hop_count, refuse
+from kvsidecar.http.messages import (
+    ClientGone,
+    JsonResponse,
+    error_response,
+    read_body,
+    validation_message,
+    watch_disconnect,
+)
 from kvsidecar.http.openapi import document
+from kvsidecar.http.routes import PARAM, Call, M, Param, Route, path_params
 
 log = logging.getLogger("kvsidecar.api")
-M = TypeVar("M", bound=BaseModel)
 Lifespan = Callable[[Any], AbstractAsyncContextManager[None]]
-
-
-# -- errors and bodies, shared with the proxy's listener ------------------------------------------------
-class JsonResponse(JSONResponse):
-    """Compact JSON; a value JSON has no type for (an enum, a path, a datetime) goes through FastAPI's
-    encoder instead of failing the answer."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(
-            content,
-            ensure_ascii=False,
-            allow_nan=False,
-            separators=(",", ":"),
-            default=jsonable_encoder,
-        ).encode()
-
-
-def error_response(exc: KvError, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    retry = {"Retry-After": "1"} if isinstance(exc, SlotBusy | ShuttingDown) else {}
-    return JSONResponse(
-        {"error": exc.to_dict()}, status_code=http_status(exc), headers={**retry, **(headers or {})}
-    )
-
-
-class ClientGone(Exception):
-    """The client left (or was cut by a listener limit) before its request body was complete."""
-
-
-async def read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body, or None when it is over `limit` bytes. Raises `ClientGone` when the
-    connection ends first: a partial body is never taken for a whole one."""
-    body = bytearray()
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise ClientGone("the client left before its request body was complete")
-        body += message.get("body", b"")
-        if len(body) > limit:
-            return None
-        if not message.get("more_body", False):
-            return bytes(body)
-
-
-def refuse(
-    scope: Scope,
-    headers: dict[bytes, bytes],
-    *,
-    expected: bytes | None,
-    check_host: bool,
-    exempt: bool | None = None,
-    api_key_header: bool = False,
-) -> KvError | None:
-    """The checks every listener makes before reading a request: one of each credential header and at most
-    one Host (a second one is read differently by each parser on the way: never guessed at), loopback Host,
-    bearer token.
-
-    `exempt`: the route needs no token (default: the path is our `/healthz`). `api_key_header` (the proxy):
-    the token may also come as `X-Api-Key: <token>` (Anthropic's SDKs, `ANTHROPIC_API_KEY`); see
-    `token_matches`."""
-    counts: dict[bytes, int] = {}
-    for name, _ in scope.get("headers", ()):
-        if name in _ONCE:
-            counts[name] = counts.get(name, 0) + 1
-    twice = sorted(n.decode() for n, c in counts.items() if c > 1)
-    if twice:
-        return BadRequest(
-            f"more than one {twice[0]} header", hint="Send each of Host, Authorization, X-Api-Key once."
-        )
-    if check_host and not _loopback_host(headers.get(b"host", b"").decode("latin-1")):
-        return BadRequest("Host header must name a loopback address", hint="DNS rebinding guard")
-    if exempt is None:
-        exempt = scope.get("path") == "/healthz"  # liveness probe
-    if expected is not None and not exempt and not token_matches(headers, expected, api_key_header):
-        return Unauthorized("missing or wrong bearer token")
-    return None
-
-
-_ONCE = frozenset({b"host", b"authorization", b"x-api-key"})
-# host[:port]: a name or IPv4 address, or an [IPv6] address; the port 1-5 digits
-_HOST = re.compile(r"\A(?:\[([0-9A-Fa-f:.]+)\]|([A-Za-z0-9.-]+))(?::([0-9]{1,5}))?\Z")
-
-
-def _loopback_host(host_header: str) -> bool:
-    m = _HOST.match(host_header)
-    if m is None or (m.group(3) is not None and not 0 < int(m.group(3)) < 65536):
-        return False
-    if m.group(1) is not None:
-        return ":" in m.group(1) and is_loopback(m.group(1))  # brackets hold an IPv6 address only
-    return is_loopback(m.group(2).lower())
-
-
-def validation_message(errors: Sequence[Any]) -> str:
-    """One line naming the first offending field."""
-    err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-    return f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
-
-
-# -- the table ------------------------------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class Param:
-    """A path parameter: the one check its value gets on every route, and its OpenAPI description."""
-
-    convert: Callable[[str], str]
-    schema: Any  # Annotated[str, fastapi.Path(...)], for the document only
-    errors: tuple[type[KvError], ...] = ()  # what `convert` raises, for the document
-
-
-@dataclass(frozen=True, kw_only=True)
-class Call:
-    """One request, checked: converted path parameters, the validated query and body models."""
-
-    params: dict[str, str]
-    query: BaseModel | None = None
-    body: BaseModel | None = None
-    hop: int = 0  # fleet mode: how many hosts forwarded this call already (X-KV-Fleet-Hop)
-    # Routes that wait for a slot (`Route.waits`): whether the client still waits for the answer (its
-    # connection, its X-KV-Deadline-Ms budget). None on the other routes.
-    caller: Caller | None = None
-
-    def body_as(self, model: type[M]) -> M:
-        if not isinstance(self.body, model):
-            raise TypeError(f"route declared no {model.__name__} body")  # a table bug, never the client's
-        return self.body
-
-    def query_as(self, model: type[M]) -> M:
-        if not isinstance(self.query, model):
-            raise TypeError(f"route declared no {model.__name__} query")
-        return self.query
-
-
-Handler = Callable[[Call], Awaitable[Any]]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Route:
-    """One route. The handler returns JSON-able data, or a `Response` it built itself."""
-
-    method: str
-    path: str  # a template: `/v1/sessions/{session_id}/acquire`
-    handler: Handler
-    body: type[BaseModel] | None = None
-    query: type[BaseModel] | None = None
-    public: bool = False  # no bearer token on this path (liveness); only for a path without parameters
-    in_schema: bool = True
-    # For the document only (never used to build or check an answer): the 200 answer's model, its media
-    # type, and the errors the handler raises beyond those every request can meet (kvsidecar.openapi).
-    returns: type[BaseModel] | None = None
-    media_type: str = "application/json"
-    errors: tuple[type[KvError], ...] = ()
-    # The handler may wait (for a slot): it gets a `Call.caller` that is gone once the client disconnects
-    # or its X-KV-Deadline-Ms budget is spent (an acquire then grants nothing; issue 26 C).
-    waits: bool = False
-
-
-_PARAM = re.compile(r"\{(\w+)\}")
-HOP_HEADER = "X-KV-Fleet-Hop"
-# The caller's budget for the call in milliseconds, counted from its receipt (hosts' clocks may differ):
-# 1-9 digits. Fleet hosts send it with every forwarded call; any client may.
-DEADLINE_HEADER = "X-KV-Deadline-Ms"
-
-
-def deadline_budget(headers: Sequence[tuple[bytes, bytes]]) -> float | None:
-    """The X-KV-Deadline-Ms budget in seconds; None without the header. Anything but 1-9 ASCII digits
-    (around them, optional whitespace, RFC 9110 §5.5) is refused (400 KV_BAD_REQUEST), and so is a second
-    X-KV-Deadline-Ms header (which one counts would be a guess): a deadline is not guessed."""
-    name = DEADLINE_HEADER.lower().encode()
-    values = [v for k, v in headers if k == name]
-    if not values:
-        return None
-    if len(values) > 1:
-        raise BadRequest(f"more than one {DEADLINE_HEADER} header")
-    raw = values[0].strip(b" \t")
-    if not (1 <= len(raw) <= 9 and raw.isdigit() and raw.isascii()):
-        raise BadRequest(f"{DEADLINE_HEADER}: must be 1-9 digits (milliseconds)")
-    return int(raw) / 1000.0
-
-
-async def watch_disconnect(receive: Receive, caller: Caller) -> None:
-    """Tell `caller` when the client disconnects (its request body is already read: the next ASGI message
-    is `http.disconnect`). uvicorn does not cancel a handler whose client left; this is how we know."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    caller.leave()
-
-
-def hop_count(headers: dict[bytes, bytes]) -> int:
-    """The fleet hop count a peer set (one digit; anything else counts as none): the hook API's and the
-    proxy's reading of X-KV-Fleet-Hop."""
-    raw = headers.get(HOP_HEADER.lower().encode(), b"")
-    return int(raw) if len(raw) == 1 and raw.isdigit() else 0
 
 
 class Router:
@@ -297,7 +108,7 @@ class Router:
         self._openapi: dict[str, Any] | None = None
 
     def _add(self, route: Route) -> None:
-        names = _PARAM.findall(route.path)
+        names = path_params(route.path)
         unknown = set(names) - set(self.params)
         if unknown:
             raise ValueError(f"{route.path}: no converter for {sorted(unknown)}")
@@ -309,7 +120,7 @@ class Router:
             # per segment: (False, literal) or (True, parameter name); a parameter is a whole segment
             parts: list[tuple[bool, str]] = []
             for part in route.path.split("/"):
-                m = _PARAM.fullmatch(part)
+                m = PARAM.fullmatch(part)
                 if m is None and "{" in part:
                     raise ValueError(f"{route.path}: a parameter must be a whole path segment")
                 parts.append((True, m.group(1)) if m else (False, part))
@@ -439,7 +250,7 @@ class Router:
 
     # -- the document ------------------------------------------------------------------------------------
     def openapi(self) -> dict[str, Any]:
-        """The OpenAPI document of the table (`kvsidecar.openapi`), built once, on first use."""
+        """The OpenAPI document of the table (`kvsidecar.http.openapi`), built once, on first use."""
         if self._openapi is None:
             self._openapi = document(
                 self.routes,

@@ -34,7 +34,7 @@ from kvsidecar.errors import (
     TooManyConnections,
     http_status,
 )
-from kvsidecar.fingerprint import runtime as fingerprint
+from kvsidecar.fingerprint import reasons as fingerprint
 from kvsidecar.proxy import client_content, client_ids
 from kvsidecar.store import manifest, table
 

@@ -4,8 +4,8 @@ llama-server serves `/v1/messages` by converting the request to a chat completio
 (`server_chat_convert_anthropic_to_oai`, tools/server/server-chat.cpp) and dropping every other field,
 `id_slot` among them: on `--parallel N > 1` it picks the slot itself. The proxy instead converts the
 request here, exactly as llama-server would, sends it to `/v1/chat/completions` with `id_slot` (and
-`cache_prompt`) set, and converts the answer back (`chat_to_message`; streams:
-`kvsidecar.proxy_anthropic_stream`).
+`cache_prompt`) set, and converts the answer back (`kvsidecar.proxy.anthropic_answer`; streams:
+`kvsidecar.proxy.anthropic_stream`). The errors of both directions are `kvsidecar.proxy.anthropic_errors`.
 
 The key property: `messages_to_chat(body)` is the chat request llama-server itself would build from `body`,
 so the prompt it renders, and the KV it computes, are token for token those of its own `/v1/messages`.
@@ -46,77 +46,26 @@ as an Anthropic-shaped 400 (`ConversionError.body()`).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
-# -- errors ---------------------------------------------------------------------------------------------
-INVALID_FIELD = "KV_ANTHROPIC_INVALID_FIELD"  # a field of the wrong type or value
-MISSING_FIELD = "KV_ANTHROPIC_MISSING_FIELD"  # a field llama-server requires
-TOO_LARGE = "KV_ANTHROPIC_TOO_LARGE"  # nesting or counts over the bounds below
-INVALID_TEXT = "KV_ANTHROPIC_INVALID_TEXT"  # text that is not valid Unicode, numbers JSON cannot carry
-UPSTREAM_INVALID = "KV_ANTHROPIC_UPSTREAM_INVALID"  # llama-server's answer is not a chat completion
-CODES = frozenset({INVALID_FIELD, MISSING_FIELD, TOO_LARGE, INVALID_TEXT, UPSTREAM_INVALID})
+from kvsidecar.proxy.anthropic_errors import (
+    INVALID_FIELD,
+    INVALID_TEXT,
+    MAX_INT,
+    MISSING_FIELD,
+    TOO_LARGE,
+    ConversionError,
+    dumps,
+)
 
 MAX_DEPTH = 64  # JSON nesting in tool inputs, schemas, template kwargs (llama-server's parser recurses)
 MAX_ITEMS = 100_000  # messages, blocks per message, tools, stop sequences
-MAX_INT = 2**63 - 1  # nlohmann's int64 range; beyond it the number would change on the way
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_THINKING_BUDGET = 10000
 ROLES = frozenset({"user", "assistant", "system"})
 BILLING_PREFIX = b"x-anthropic-billing-header:"
-
-# Anthropic's error `type` for each status (https://docs.anthropic.com/en/api/errors).
-ERROR_TYPES: dict[int, str] = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    502: "api_error",
-    503: "overloaded_error",
-    504: "api_error",
-    529: "overloaded_error",
-}
-
-
-class ConversionError(Exception):
-    """A request (or an answer) that cannot be converted. `code`: one of `CODES`; `param`: the JSON path of
-    the field at fault (never its value); `status`: the HTTP status to answer with."""
-
-    def __init__(self, code: str, message: str, *, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.code, self.message, self.param, self.status = code, message, param, status
-
-    def body(self) -> bytes:
-        """The Anthropic-shaped error body (`error.code`/`param` are ours; the SDK ignores them)."""
-        return anthropic_error(self.status, self.message, code=self.code, param=self.param)
-
-
-def anthropic_error(status: int, message: str, *, code: str | None = None, param: str | None = None) -> bytes:
-    error: dict[str, Any] = {"type": ERROR_TYPES.get(status, "api_error"), "message": message}
-    if code is not None:
-        error["code"] = code
-    if param is not None:
-        error["param"] = param
-    return _dumps({"type": "error", "error": error})
-
-
-def error_to_anthropic(status: int, body: bytes) -> bytes:
-    """llama-server's error answer (OpenAI-shaped, `{"error": {"message": ...}}`) in Anthropic's shape."""
-    message = f"llama-server answered {status}"
-    try:
-        data = json.loads(body[: 1 << 20])
-    except (ValueError, RecursionError):
-        data = None
-    if isinstance(data, dict) and isinstance(data.get("error"), dict):
-        said = data["error"].get("message")
-        if isinstance(said, str):
-            message = said[:4000]
-    return anthropic_error(status, message)
 
 
 # -- checks -----------------------------------------------------------------------------------------------
@@ -183,16 +132,6 @@ def _json_value(value: Any, path: str) -> Any:
         else:
             _scalar(item, path)
     return value
-
-
-def _dumps(value: Any) -> bytes:
-    """Compact JSON in UTF-8, as llama-server's `dump()` writes it (insertion order, no ASCII escapes)."""
-    try:
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
-    except UnicodeEncodeError as exc:  # a lone surrogate from a `\ud800` escape: not Unicode text
-        raise ConversionError(INVALID_TEXT, "text that is not valid Unicode (a lone surrogate)") from exc
-    except (ValueError, RecursionError) as exc:
-        raise ConversionError(INVALID_TEXT, f"not representable as JSON: {exc}") from exc
 
 
 # -- the request ---------------------------------------------------------------------------------------------
@@ -275,7 +214,7 @@ def _tool_call(block: Mapping[str, Any], path: str) -> dict[str, Any]:
         "type": "function",
         "function": {
             "name": _str(block.get("name"), f"{path}.name", default=""),
-            "arguments": _dumps(arguments).decode("utf-8"),
+            "arguments": dumps(arguments).decode("utf-8"),
         },
     }
 
@@ -473,97 +412,4 @@ def messages_to_chat(
 
 def chat_request_bytes(body: Any, **kw: Any) -> bytes:
     """`messages_to_chat` encoded for the wire (raises `ConversionError` on text JSON cannot carry)."""
-    return _dumps(messages_to_chat(body, **kw))
-
-
-# -- the answer ----------------------------------------------------------------------------------------------
-STOP_REASONS = {"stop": "end_turn", "tool_calls": "tool_use", "length": "max_tokens"}
-
-
-def stop_reason(finish_reason: Any) -> str:
-    """llama-server's mapping: a stop word or EOS -> end_turn (tool_use with tool calls), else max_tokens."""
-    return STOP_REASONS.get(finish_reason, "end_turn") if isinstance(finish_reason, str) else "end_turn"
-
-
-def usage(chat_usage: Any, timings: Any) -> dict[str, int]:
-    """Anthropic usage from the chat answer's `usage` (else its `timings`): `input_tokens` are the prompt
-    tokens computed, `cache_read_input_tokens` those reused from the slot, as llama-server reports them."""
-    prompt = cached = output = 0
-    if isinstance(chat_usage, dict):
-        prompt = _count(chat_usage.get("prompt_tokens"))
-        output = _count(chat_usage.get("completion_tokens"))
-        details = chat_usage.get("prompt_tokens_details")
-        cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
-    elif isinstance(timings, dict):
-        cached = _count(timings.get("cache_n"))
-        prompt = cached + _count(timings.get("prompt_n"))
-        output = _count(timings.get("predicted_n"))
-    cached = min(cached, prompt)
-    return {"cache_read_input_tokens": cached, "input_tokens": prompt - cached, "output_tokens": output}
-
-
-def _count(value: Any) -> int:
-    return value if type(value) is int and 0 <= value <= MAX_INT else 0
-
-
-def tool_input(arguments: Any) -> Any:
-    """A tool call's arguments as the `input` object (llama-server: `{}` when they do not parse)."""
-    if isinstance(arguments, dict):
-        return arguments
-    if not isinstance(arguments, str):
-        return {}
-    try:
-        parsed = json.loads(arguments)
-    except (ValueError, RecursionError):
-        return {}
-    return parsed
-
-
-def chat_to_message(answer: Any) -> dict[str, Any]:
-    """A (non-streamed) chat completion -> the Anthropic message llama-server's `/v1/messages` answers."""
-    if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list) or not answer["choices"]:
-        raise ConversionError(UPSTREAM_INVALID, "llama-server's answer has no choices", status=502)
-    choice = answer["choices"][0]
-    message = choice.get("message") if isinstance(choice, dict) else None
-    if not isinstance(message, dict):
-        raise ConversionError(UPSTREAM_INVALID, "llama-server's answer has no message", status=502)
-    content: list[dict[str, Any]] = []
-    reasoning = message.get("reasoning_content")
-    if isinstance(reasoning, str) and reasoning:
-        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-    text = message.get("content")
-    if isinstance(text, str) and text:
-        content.append({"type": "text", "text": text})
-    calls = message.get("tool_calls")
-    for call in calls if isinstance(calls, list) else []:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict):
-            continue
-        content.append(
-            {
-                "type": "tool_use",
-                "id": call.get("id") if isinstance(call.get("id"), str) else "",
-                "name": function.get("name") if isinstance(function.get("name"), str) else "",
-                "input": tool_input(function.get("arguments")),
-            }
-        )
-    answer_id, model = answer.get("id"), answer.get("model")
-    return {
-        "id": answer_id if isinstance(answer_id, str) else "",
-        "type": "message",
-        "role": "assistant",
-        "content": content,
-        "model": model if isinstance(model, str) else "",
-        "stop_reason": stop_reason(choice.get("finish_reason")),
-        "stop_sequence": None,  # llama-server's chat answer does not say which stop sequence matched
-        "usage": usage(answer.get("usage"), answer.get("timings")),
-    }
-
-
-def chat_answer_to_message_bytes(raw: bytes) -> bytes:
-    """`chat_to_message` from and to bytes (the proxy's non-streamed answer)."""
-    try:
-        answer = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise ConversionError(UPSTREAM_INVALID, "llama-server's answer is not JSON", status=502) from exc
-    return _dumps(chat_to_message(answer))
+    return dumps(messages_to_chat(body, **kw))

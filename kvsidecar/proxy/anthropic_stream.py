@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvsidecar.proxy.anthropic import ERROR_TYPES, stop_reason, usage
+from kvsidecar.proxy.anthropic_answer import stop_reason, usage
+from kvsidecar.proxy.anthropic_errors import ERROR_TYPES
 
 MAX_EVENT_BYTES = 8 << 20  # one SSE event of llama-server's stream: a chunk of a few tokens, or an error
 MAX_BLOCKS = 4096  # content blocks of one answer

@@ -49,7 +49,7 @@ import xxhash
 MAX_ELEMENTS: Final = 4096  # a request with more is not normalized (no content identity)
 MAX_CUTS: Final = 64  # paragraph cuts remembered for a known conversation's last element
 CONTENT_PREFIX: Final = "c:"
-SIGNAL: Final = "content"  # the signal name of a content-derived id (beside kvsidecar.client_ids.SIGNALS)
+SIGNAL: Final = "content"  # a content-derived id's signal name (beside client_ids.SIGNALS)
 _SEP = "\x1f"
 _BLOCK_SEP = "\x1e"
 _VOLATILE_ITEM_KEYS: Final = frozenset({"id", "status"})

@@ -23,7 +23,7 @@ unusable is reported in `Recognition.rejected` and the next one is tried):
    `client_metadata.session_id` (`body:client_metadata.session_id`).
 
 Nothing recognized: `session_id` is None; the caller may derive a content identity
-(`kvsidecar.client_content`) or run the request as auxiliary.
+(`kvsidecar.proxy.client_content`) or run the request as auxiliary.
 
 Auxiliary markers (`Recognition.markers`, whatever named the session): requests that the client makes
 beside the conversation and that must never cost it its KV:

@@ -4,7 +4,7 @@ credential, bounded, in memory only.
 Three uses (docs/CLIENTS.md):
 
 - *content identity*: a request that names no session continues the conversation of its credential whose
-  messages it extends (`kvsidecar.client_content`), else starts a new one (`c:<digest>`);
+  messages it extends (`kvsidecar.proxy.client_content`), else starts a new one (`c:<digest>`);
 - *divergence*: a turn of a known session whose messages do not extend its last request is reported
   (`PROMPT_DIVERGED`, the message index), and run as auxiliary when it is a side request (much shorter, or
   without the tools: a title or summary that a client sent under the conversation's id);

@@ -9,7 +9,7 @@ sends its own, exactly one of each, on every answer whether llama-server or the 
 `X-KV-*` headers are dropped too: only the proxy says what happened to the session.
 
 A converted answer (`convert`: an Anthropic Messages request the proxy sent as a pinned chat completion,
-`kvsidecar.proxy_anthropic`) is turned back into Anthropic's shape on the way: a stream event by event
+`kvsidecar.proxy.anthropic`) is turned back into Anthropic's shape on the way: a stream event by event
 (`StreamTransducer`, still unbuffered; llama-server's raw chunks still feed `Tail`, whose timings end the
 lease), a JSON answer whole (buffered up to `MAX_CONVERTED_BYTES`, its `Content-Length` recomputed), an
 error answer as an Anthropic error. The converted answer's own framing replaces llama-server's
@@ -32,12 +32,8 @@ from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.errors import BackendUnavailable, KvError, OperationTimeout
 from kvsidecar.logs import event
 from kvsidecar.proxy.answers import error_answer
-from kvsidecar.proxy.anthropic import (
-    ConversionError,
-    anthropic_error,
-    chat_answer_to_message_bytes,
-    error_to_anthropic,
-)
+from kvsidecar.proxy.anthropic_answer import chat_answer_to_message_bytes
+from kvsidecar.proxy.anthropic_errors import ConversionError, anthropic_error, error_to_anthropic
 from kvsidecar.proxy.anthropic_stream import StreamTransducer
 from kvsidecar.proxy.upstream import Response, Upstream, UpstreamError, UpstreamTimeout
 
@@ -211,36 +207,17 @@ class Forwarder:
                 if no_answer is not None and no_answer(exc):
                     return "unanswered", None
                 return await self._no_answer(exc, scope, receive, send), None
-            if peer_host is not None:
-                said = [v for k, v in response.headers if k.lower() == PEER_HEADER]
-                if said != [peer_host]:
-                    await response.aclose()
-                    event(log, logging.WARNING, "kv.proxy.peer_not_kvsidecar", url=self.upstream.base_url)
-                    forged = UpstreamError(
-                        f"{self.upstream.base_url} did not answer as kvsidecar host {peer_host.decode()}"
-                    )
-                    if no_answer is not None and no_answer(forged):
-                        return "unanswered", None
-                    return await self._no_answer(forged, scope, receive, send), None
-            tail = Tail()
-            if convert is not None:
-                try:
-                    return await self._converted(response, send, tail, release, extra, convert)
-                finally:
-                    await response.aclose()
+            forged = await self._not_from(response, peer_host) if peer_host is not None else None
+            if forged is not None:
+                if no_answer is not None and no_answer(forged):
+                    return "unanswered", None
+                return await self._no_answer(forged, scope, receive, send), None
             try:
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": response.status_code,
-                        "headers": answer_headers(response.headers, peer=self.peer) + (extra or []),
-                    }
-                )
-                if not await self._pump(response, send, tail, release):
-                    return "error", None
+                if convert is not None:
+                    return await self._converted(response, send, Tail(), release, extra, convert)
+                return await self._relay(response, send, release, extra)
             finally:
                 await response.aclose()  # closes the connection unless the answer ended cleanly
-            return ("ok" if response.status_code < 400 else "error"), tail.timings()
 
         # The client may leave at any point, also while llama-server is still prefilling and has sent
         # nothing: closing the upstream connection then is what stops llama-server's work on it.
@@ -249,6 +226,39 @@ class Forwarder:
             event(log, logging.INFO, "kv.proxy.client_disconnected", path=out.path.partition("?")[0])
             return None, None
         return outcome
+
+    async def _not_from(self, response: Response, peer_host: bytes) -> UpstreamError | None:
+        """An answer whose `X-KV-Fleet-Host` does not name `peer_host` is not that kvsidecar's: closed
+        unread, it counts as no answer at all (the error says why)."""
+        said = [v for k, v in response.headers if k.lower() == PEER_HEADER]
+        if said == [peer_host]:
+            return None
+        await response.aclose()
+        event(log, logging.WARNING, "kv.proxy.peer_not_kvsidecar", url=self.upstream.base_url)
+        return UpstreamError(
+            f"{self.upstream.base_url} did not answer as kvsidecar host {peer_host.decode()}"
+        )
+
+    async def _relay(
+        self,
+        response: Response,
+        send: Send,
+        release: Release | None,
+        extra: list[tuple[bytes, bytes]] | None,
+    ) -> tuple[str, dict[str, Any] | None]:
+        """llama-server's answer passed on as it is, byte for byte: (result, timings) as `forward` returns
+        them."""
+        tail = Tail()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": response.status_code,
+                "headers": answer_headers(response.headers, peer=self.peer) + (extra or []),
+            }
+        )
+        if not await self._pump(response, send, tail, release):
+            return "error", None
+        return ("ok" if response.status_code < 400 else "error"), tail.timings()
 
     async def _no_answer(self, exc: UpstreamError, scope: Scope, receive: Receive, send: Send) -> str:
         """llama-server gave no answer: say so (502, or 504 after `proxy.upstream_timeout_s` of silence)."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
@@ -59,6 +60,9 @@ from kvsidecar.store.table import (
     TOO_LARGE,
     ManifestTable,
 )
+
+if TYPE_CHECKING:
+    from kvsidecar.config import Config
 
 __all__ = [
     "CORRUPT",
@@ -103,6 +107,17 @@ class SnapshotStore:
         self.saves = SavePlanner(self.layout, self.table, self.records, self.verified)
         self.candidates = CandidateFinder(self.layout, self.table, self.records, self.verified)
         self.dir_problems: list[str] = []
+
+    @classmethod
+    def from_config(cls, config: Config) -> SnapshotStore:
+        """The store a config describes (the daemon's, and the CLI's offline reads): its state directory,
+        each server's snapshot directory and, in fleet mode, the shared metadata directory."""
+        return cls(
+            state_dir=config.state_dir,
+            snapshot_dirs={name: s.snapshot_dir for name, s in config.servers.items()},
+            verify_checksum=config.restore.verify_checksum,
+            shared_dir=config.fleet.metadata_dir(),
+        )
 
     # lifecycle ---------------------------------------------------------------------------------------
     def open(self) -> ReconcileReport:

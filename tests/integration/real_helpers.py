@@ -13,7 +13,8 @@ from kvsidecar.backend.base import EraseResult, RestoreResult, SaveResult
 from kvsidecar.backend.llamacpp import LlamaCppBackend
 from kvsidecar.config import config_from_mapping
 from kvsidecar.coordinator.core import AcquireResult, Coordinator
-from kvsidecar.fingerprint.runtime import FileDigestCache, find_llama_process
+from kvsidecar.fingerprint.file_digests import FileDigestCache
+from kvsidecar.fingerprint.llama_process import find_llama_process
 from kvsidecar.store.snapshots import SnapshotStore
 from kvsidecar.testing.llama import LlamaServer, complete, words
 

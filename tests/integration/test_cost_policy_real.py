@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.coordinator import checkpoint
+from kvsidecar.coordinator import decisions
 from kvsidecar.coordinator.costs import ServerCosts
 from kvsidecar.coordinator.state import Outcome, SessionRuntime
 from tests.conftest import StartServer
@@ -113,7 +113,7 @@ async def test_a_clean_ahead_found_busy_runs_when_the_other_slot_is_given_back(
     try:
         # A's check comes due only once B's call below holds its slot: the tiny model's saves take
         # milliseconds, so the ski-rental wait would otherwise be its 0.2 s floor and race the next turn
-        monkeypatch.setattr(checkpoint, "_MIN_CLEAN_AHEAD_S", 5.0)
+        monkeypatch.setattr(decisions, "MIN_CLEAN_AHEAD_S", 5.0)
         for s in ("A", "B", "C", "A", "B"):  # saves measured; A (least recently used) and B resident, dirty
             await h.turn(s)
         a = rt_of(h, "A")

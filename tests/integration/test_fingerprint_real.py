@@ -17,12 +17,9 @@ import httpx
 import pytest
 
 from kvsidecar.backend.llamacpp import LlamaCppBackend
-from kvsidecar.fingerprint.runtime import (
-    FileDigestCache,
-    RuntimeFingerprint,
-    build_fingerprint,
-    find_llama_process,
-)
+from kvsidecar.fingerprint.file_digests import FileDigestCache
+from kvsidecar.fingerprint.llama_process import find_llama_process
+from kvsidecar.fingerprint.runtime import RuntimeFingerprint, build_fingerprint
 from kvsidecar.testing.llama import LlamaServer, vocab_dir, words
 from kvsidecar.testing.models import ModelShape, generate_llama_model
 from tests.conftest import StartServer

@@ -87,7 +87,7 @@ async def test_a_client_that_timed_out_mid_acquire_leaves_the_slot_to_the_next_s
                     timeout=httpx.Timeout(30, read=1.0),
                 )
             )
-            await until(lambda: bool(srv.waiters), "B's acquire to wait for the slot")
+            await until(lambda: bool(daemon.coordinator.pool.queued(srv)), "B's acquire to wait for the slot")
             with pytest.raises(httpx.ReadTimeout):
                 await gave_up
         # the model call of A's turn, then its release: the slot is free now

@@ -103,5 +103,5 @@ async def test_fifty_sessions_with_a_server_restart(start_llama: StartServer, tm
         assert growth_mb < 100, f"RSS grew {growth_mb:.0f} MB"
     finally:
         await c.aclose()
-    assert not c._tasks and not c.scheduler.running
+    assert not c._tasks
     print(f"load: {counts}, restarts seen {c.telemetry.stats()['server_restarts']}, {kinds}, {outcomes}")

@@ -13,7 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvsidecar.proxy.anthropic import chat_request_bytes, chat_to_message, messages_to_chat
+from kvsidecar.proxy.anthropic import chat_request_bytes, messages_to_chat
+from kvsidecar.proxy.anthropic_answer import chat_to_message
 from kvsidecar.proxy.anthropic_stream import StreamTransducer
 from kvsidecar.testing.llama import LlamaServer
 from kvsidecar.testing.models import chat_template

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from kvsidecar.fingerprint import runtime as fingerprint
+from kvsidecar.fingerprint import reasons as fingerprint
 from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import LlamaServer, llama_server_binary, vocab_dir, words
 from kvsidecar.testing.models import ModelShape, generate_llama_model

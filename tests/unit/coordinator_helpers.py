@@ -13,7 +13,7 @@ import xxhash
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.config import Config, config_from_mapping
 from kvsidecar.coordinator.core import AcquireResult, Coordinator
-from kvsidecar.fingerprint.runtime import ProcessInfo
+from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.store.snapshots import SnapshotStore
 
 

@@ -208,7 +208,7 @@ async def test_metrics_and_openapi(h: Harness) -> None:
 
 
 async def test_slot_busy_has_retry_after(h: Harness) -> None:
-    h.coordinator.acquire_timeout_s = 0.05
+    h.coordinator.acquirer.acquire_timeout_s = 0.05
     async with http(h) as c:
         first = await c.post("/v1/sessions/A/acquire", json={"provider": "local", "model": "m"})
         r = await c.post("/v1/sessions/B/acquire", json={"provider": "local", "model": "m"})

@@ -9,9 +9,11 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -19,6 +21,7 @@ from kvsidecar import cli
 from kvsidecar.backend.base import BackendCapabilities
 from kvsidecar.cli import main, table
 from kvsidecar.cli.text import persistence_state, render_status
+from kvsidecar.client import KvSidecar
 from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import SnapshotStore
@@ -220,10 +223,21 @@ SESSION = {
 }
 
 
+def fake_daemon(monkeypatch: pytest.MonkeyPatch, answer: Callable[[httpx.Request], httpx.Response]) -> None:
+    """The CLI's hook-API client (`kvsidecar.client.KvSidecar`, built as the CLI builds it) answered by
+    `answer` instead of a daemon."""
+    real = KvSidecar
+
+    def client(base_url: str, **kwargs: Any) -> KvSidecar:
+        return real(base_url, **{**kwargs, "uds": None, "transport": httpx.MockTransport(answer)})
+
+    monkeypatch.setattr(cli, "KvSidecar", client)
+
+
 def test_show_prints_text_and_json_only_with_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cli, "_call", lambda *_a, **_k: SESSION)
+    fake_daemon(monkeypatch, lambda _request: httpx.Response(200, json=SESSION))
     cfg = str(write_config(tmp_path))
     assert main(["-c", cfg, "show", "abcdef0123456789"]) == 0
     out = capsys.readouterr().out
@@ -233,6 +247,85 @@ def test_show_prints_text_and_json_only_with_json(
     assert "b *" in out and "CHECKSUM" in out and "generation" in out
     assert main(["-c", cfg, "show", "abcdef0123456789", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == SESSION
+
+
+def test_the_commands_send_the_hook_api_calls_of_the_client(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every live command goes through `kvsidecar.client`: its paths (a session id is one encoded path
+    segment), its bodies, the token of api.token_file."""
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    cfg = str(write_config(tmp_path, api={"listen": "127.0.0.1:9", "token_file": str(token)}))
+    sent: list[tuple[str, str, bytes, str | None]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(
+            (
+                request.method,
+                request.url.raw_path.decode(),
+                request.content,
+                request.headers.get("authorization"),
+            )
+        )
+        if request.url.path == "/v1/sessions":
+            return httpx.Response(200, json={"sessions": []})
+        if request.url.path == "/v1/doctor":
+            return httpx.Response(200, json={"result": "DEGRADED", "servers": []})
+        if request.url.path == "/v1/gc":
+            return httpx.Response(200, json={"dry_run": True, "deletions": []})
+        return httpx.Response(200, json={"ok": True})
+
+    fake_daemon(monkeypatch, answer)
+    for argv in (
+        ["show", "a/b", "--json"],
+        ["save", "s1"],
+        ["invalidate", "s1"],
+        ["purge", "s1"],
+        ["restore", "s1", "--provider", "p", "--model", "m"],
+        ["sessions", "--json"],
+        ["gc", "--dry-run", "--json"],
+        ["doctor", "--deep", "--json"],
+        ["wait-ready", "--timeout", "5"],
+    ):
+        expected = 4 if argv[0] == "doctor" else 0  # DEGRADED
+        assert main(["-c", cfg, *argv]) == expected, argv
+    capsys.readouterr()
+    assert [(m, p, b) for m, p, b, _ in sent] == [
+        ("GET", "/v1/sessions/a%2Fb", b""),
+        ("POST", "/v1/sessions/s1/save", b""),
+        ("POST", "/v1/sessions/s1/invalidate", b""),
+        ("DELETE", "/v1/sessions/s1", b""),
+        ("POST", "/v1/sessions/s1/restore", b'{"provider":"p","model":"m"}'),
+        ("GET", "/v1/sessions", b""),
+        ("POST", "/v1/gc?dry_run=true", b""),
+        ("GET", "/v1/doctor?deep=true", b""),
+        ("GET", "/healthz", b""),
+    ]
+    assert {auth for *_, auth in sent} == {"Bearer " + "t" * 32}
+
+
+@pytest.mark.parametrize(
+    ("answer", "shown"),
+    [
+        (
+            httpx.Response(404, json={"error": {"code": "KV_NOT_FOUND", "message": "no such session"}}),
+            "kvsidecar: KV_NOT_FOUND: no such session",
+        ),
+        (httpx.Response(502, text="bad gateway"), "kvsidecar: 502: bad gateway"),  # not the daemon's answer
+    ],
+    ids=["the daemon's error", "another server's"],
+)
+def test_an_error_answer_is_shown_with_its_code_and_fails(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    answer: httpx.Response,
+    shown: str,
+) -> None:
+    fake_daemon(monkeypatch, lambda _request: answer)
+    assert main(["-c", str(write_config(tmp_path)), "show", "s1"]) == 1
+    assert capsys.readouterr().err.strip() == shown
 
 
 async def test_status_headline_follows_the_real_state(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 from kvsidecar.coordinator.breaker import BreakerState
 from kvsidecar.coordinator.state import Lease, Outcome, SessionState
 from kvsidecar.errors import InvalidSessionId, LeaseNotFound, MetadataIO, SaveFailed, ShuttingDown, SlotBusy
-from kvsidecar.fingerprint.runtime import ProcessInfo
+from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity
 from tests.unit.coordinator_helpers import Harness, start_harness
 
@@ -223,7 +223,7 @@ async def test_a_waiter_cancelled_in_the_queue_leaks_nothing(h: Harness) -> None
 
 
 async def test_busy_slot_times_out_with_slot_busy(h: Harness) -> None:
-    h.coordinator.acquire_timeout_s = 0.05
+    h.coordinator.acquirer.acquire_timeout_s = 0.05
     r = await h.coordinator.acquire("A", provider="local", model="m")
     with pytest.raises(SlotBusy):
         await h.coordinator.acquire("B", provider="local", model="m")
@@ -251,7 +251,7 @@ async def test_lease_expiry_frees_the_slot(h: Harness) -> None:
     assert lease.expiry is not None
     # a lease not yet seen in use ends at its claim TTL (issue 26 C; tests/unit/test_lease_holder.py)
     assert abs(lease.expiry.when() - (loop.time() + h.coordinator.config.api.lease_claim_ttl_s)) < 5
-    await h.coordinator._expire(r.lease_id)  # what the timer does when the TTL runs out
+    await h.coordinator.lease_ends.expire(r.lease_id)  # what the timer does when the TTL runs out
     assert h.coordinator.telemetry.stats()["leases_expired"] == 1 and r.lease_id not in h.coordinator.leases
     assert h.coordinator.sessions.by_key[key("A")].dirty_revision == 0  # an expired lease is aborted, not ok
     r2, *_ = await h.turn("B")
@@ -419,7 +419,7 @@ async def test_shutdown_checkpoints_and_leaves_nothing_running(tmp_path: Path) -
     assert c.sessions.by_key[key("A")].idle_timer is not None and c._tasks
     await c.aclose()
     assert h.calls() == ["save"]
-    assert not c._tasks and not c.scheduler.running
+    assert not c._tasks
     manifest = c.store.get(key("A"))
     assert manifest is not None and manifest.has_valid
     after = await c.acquire("A", provider="local", model="m")
@@ -529,7 +529,7 @@ async def test_sigterm_while_waiting_for_a_slot_is_shutting_down(tmp_path: Path)
     h = await start_harness(tmp_path)
     first = await h.coordinator.acquire("A", provider="local", model="m")
     waiting = asyncio.ensure_future(h.coordinator.acquire("B", provider="local", model="m"))
-    while not h.coordinator.servers["local"].waiters:
+    while not h.coordinator.pool.queued(h.coordinator.servers["local"]):
         await asyncio.sleep(0)
     closing = asyncio.ensure_future(h.coordinator.aclose())
     with pytest.raises(ShuttingDown) as info:

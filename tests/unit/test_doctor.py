@@ -10,7 +10,8 @@ import httpx
 
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.backend.llamacpp import LlamaCppBackend
-from kvsidecar.doctor.checks import Doctor, DoctorReport
+from kvsidecar.doctor.checks import Doctor
+from kvsidecar.doctor.report import DoctorReport
 from tests.unit.coordinator_helpers import make_config
 
 KEY = "llama-key-0123456789"

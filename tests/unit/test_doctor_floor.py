@@ -6,8 +6,8 @@ from typing import NamedTuple
 import psutil
 import pytest
 
-from kvsidecar.backend.fake import FakeKvBackend
-from kvsidecar.doctor.checks import Doctor, DoctorReport
+from kvsidecar.doctor.host import disk_check
+from kvsidecar.doctor.report import DoctorReport
 from tests.unit.coordinator_helpers import make_config
 
 
@@ -23,12 +23,6 @@ def test_disk_check_uses_retentions_free_floor(tmp_path: Path, monkeypatch: pyte
     usage = Usage(total=1001, used=901, free=100, percent=90.0)
     monkeypatch.setattr(psutil, "disk_usage", lambda _path: usage)
     config = make_config(tmp_path, retention={"min_free_percent": 10.0})
-    doctor = Doctor(
-        config=config,
-        server="local",
-        backend=FakeKvBackend(tmp_path / "snaps"),
-        process_finder=lambda _url: None,
-    )
     report = DoctorReport(server="local", endpoint="")
-    doctor._disk(report)
+    disk_check(report, config.retention, config.servers["local"].snapshot_dir)
     assert [c.status for c in report.checks if c.name == "disk"] == ["WARN"]

@@ -16,22 +16,13 @@ import psutil
 import pytest
 
 from kvsidecar.backend.base import BackendCapabilities
-from kvsidecar.fingerprint import runtime as fpmod
+from kvsidecar.fingerprint import file_digests as fpmod
+from kvsidecar.fingerprint.file_digests import FileDigestCache, file_digest
 from kvsidecar.fingerprint.llama_args import BY_NAME, OPTIONS
-from kvsidecar.fingerprint.llama_process import MappedFile
-from kvsidecar.fingerprint.runtime import (
-    HARMLESS,
-    SETTING_CLASSES,
-    FileDigestCache,
-    ProcessInfo,
-    RuntimeFingerprint,
-    build_fingerprint,
-    file_digest,
-    find_llama_process,
-    parse_cmdline,
-    parse_flags,
-    parse_settings,
-)
+from kvsidecar.fingerprint.llama_process import MappedFile, ProcessInfo, find_llama_process
+from kvsidecar.fingerprint.llama_settings import parse_cmdline, parse_flags, parse_settings
+from kvsidecar.fingerprint.reasons import HARMLESS, SETTING_CLASSES
+from kvsidecar.fingerprint.runtime import RuntimeFingerprint, build_fingerprint
 from kvsidecar.testing.llama import free_port
 
 CAPS = BackendCapabilities(
@@ -503,7 +494,7 @@ def test_a_bad_cache_file_starts_an_empty_cache(
     f = tmp_path / "m.bin"
     f.write_bytes(b"model")
     assert cache.digest(f) == file_digest(f)[0]  # and the cache still works, rewriting a valid file
-    assert fpmod.load_digest_cache(path) == {fpmod._identity(f.stat()): file_digest(f)[0]}
+    assert fpmod.load_digest_cache(path) == {fpmod.file_identity(f.stat()): file_digest(f)[0]}
 
 
 def test_a_cache_file_behind_a_symlink_or_a_directory_is_not_read(

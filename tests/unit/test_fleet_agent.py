@@ -22,14 +22,20 @@ from kvsidecar.api.models import FleetView
 from kvsidecar.api.routes import create_app
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.config import config_from_mapping
+from kvsidecar.coordinator.core import Coordinator
+from kvsidecar.coordinator.ownership import LocalGate
 from kvsidecar.daemon.service import Daemon
+from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.fleet import REDIS_DOWN
 from kvsidecar.fleet import agent as agent_module
 from kvsidecar.fleet.agent import FleetAgent
+from kvsidecar.fleet.gate import LeaderRetention
 from kvsidecar.fleet.plane import FleetPlane, connect
+from kvsidecar.metrics import Metrics
+from kvsidecar.store.snapshots import SnapshotStore
 from tests.fleet_helpers import RedisServer, eventually
 from tests.integration.test_dashboard_real import DASHBOARD, dashboard_exprs, exposed_names, metric_names
-from tests.unit.coordinator_helpers import Harness, start_harness
+from tests.unit.coordinator_helpers import Harness, make_config, start_harness
 from tests.unit.test_metrics_naming import naming_problems
 
 TOKEN = "f" * 32
@@ -48,6 +54,32 @@ def fleet(redis: RedisServer, host: str, **overrides: Any) -> dict[str, Any]:
     }
 
 
+async def fleet_harness(tmp_path: Path, settings: dict[str, Any]) -> Started:
+    """`start_harness`'s coordinator, built as the daemon builds it in fleet mode (the agent first: the
+    coordinator takes its residency observer and status section, the metrics show its series), without the
+    write gate: these tests are about residency and Redis health, not ownership."""
+    config = make_config(tmp_path, fleet=settings)
+    fake = FakeKvBackend(tmp_path / "snaps")
+    store = SnapshotStore(state_dir=config.state_dir, snapshot_dirs={"local": tmp_path / "snaps"})
+    store.open()
+    metrics = Metrics()
+    agent = FleetAgent(config, fence_for=store.fence_with, metrics=metrics)
+    process: list[ProcessInfo | None] = [None]
+    coordinator = Coordinator(
+        config=config,
+        store=store,
+        backends={"local": fake},
+        metrics=metrics,
+        process_finder=lambda _url: process[0],
+        process_check=lambda p: process[0] is not None and process[0].identity == p.identity,
+        observers=(agent,),
+        fleet_view=agent.view,
+    )
+    await coordinator.start()
+    fake.calls.clear()  # the runtime canary measured at start
+    return Harness(coordinator=coordinator, fake=fake, process=process), agent
+
+
 @pytest.fixture
 async def start_host(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Callable[..., Any]]:
     """Factory: a coordinator on the fake backend with its agent started, as host `host`."""
@@ -55,9 +87,8 @@ async def start_host(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator
 
     async def start(host: str, **overrides: Any) -> Started:
         overrides.setdefault("shared_dir", str(tmp_path / "shared"))
-        h = await start_harness(tmp_path / host, fleet=fleet(redis_server, host, **overrides))
-        agent = FleetAgent(h.coordinator.config, h.coordinator)
-        agent.start()
+        h, agent = await fleet_harness(tmp_path / host, fleet(redis_server, host, **overrides))
+        agent.start(h.coordinator)
         started.append((h, agent))
         await eventually(lambda: agent.redis_up, what=f"{host} to register")
         return h, agent
@@ -232,6 +263,46 @@ async def test_the_daemon_runs_the_agent_and_leaves_the_fleet_at_stop(
         await client.aclose()
     assert password_redis.password is not None
     assert all(password_redis.password not in r.getMessage() for r in caplog.records)
+
+
+def _daemon(tmp_path: Path, fleet_section: dict[str, Any]) -> Daemon:
+    config = config_from_mapping(
+        {
+            "state_dir": str(tmp_path / "state"),
+            "servers": {"local": {"snapshot_dir": str(tmp_path / "snaps"), "probe_interval_s": 3600}},
+            "fleet": fleet_section,
+        }
+    )
+    return Daemon(
+        config, backends={"local": FakeKvBackend(tmp_path / "snaps")}, process_finder=None, watch=False
+    )
+
+
+async def test_the_daemon_builds_fleet_mode_once_at_construction(tmp_path: Path) -> None:
+    """One composition root: each part gets its collaborators when it is built, nothing is installed into
+    it later (the coordinator's gate, observer and status section are the agent's; retention's leader and
+    the router get the coordinator). Building reaches no Redis: redis-py connects on first use."""
+    section = {"redis_url": "redis://127.0.0.1:9/0", "host_id": "h1", "shared_dir": str(tmp_path / "shared")}
+    d = _daemon(tmp_path / "fleet", {"enabled": True, **section})
+    agent, router = d.fleet, d.fleet_router
+    assert agent is not None and router is not None
+    try:
+        assert agent.coordinator is None  # given at start
+        assert d.coordinator.ownership.gate is agent.gate
+        assert d.coordinator.telemetry.observers == [agent]
+        assert d.coordinator.fleet_view == agent.view
+        assert isinstance(d.retention.fleet, LeaderRetention)
+        assert d.retention.fleet.gate is agent.gate and d.retention.fleet.ownership is d.coordinator.ownership
+        assert router.agent is agent and router.coordinator is d.coordinator
+        assert d.coordinator.pending_restart is d.pending_restart  # the daemon writes it, status reads it
+        assert "kvsidecar_fleet_redis_up" in {m.name for m in d.metrics.registry.collect()}
+    finally:
+        await router.aclose()
+        await agent.client.aclose()
+    single = _daemon(tmp_path / "single", section)  # fleet.enabled false: nothing of it is built
+    assert single.fleet is None and single.fleet_router is None and single.retention.fleet is None
+    assert isinstance(single.coordinator.ownership.gate, LocalGate)
+    assert single.coordinator.telemetry.observers == [] and single.coordinator.fleet_view is None
 
 
 async def test_single_host_mode_has_no_fleet_anything(tmp_path: Path) -> None:

@@ -135,13 +135,20 @@ async def start_host(
         )
         store.open()
         fake = FakeKvBackend(shared / "snaps")
-        coordinator = Coordinator(config=config, store=store, backends={"local": fake})
+        metrics = Metrics()
+        agent = FleetAgent(config, fence_for=store.fence_with, metrics=metrics)  # as the daemon builds it
+        gate = agent.gate
+        coordinator = Coordinator(
+            config=config,
+            store=store,
+            backends={"local": fake},
+            metrics=metrics,
+            gate=gate,
+            observers=(agent,),
+            fleet_view=agent.view,
+        )
         await coordinator.start()
-        agent = FleetAgent(config, coordinator)
-        gate = FleetGate(agent, store.fence_with)
-        coordinator.ownership.gate = gate
-        agent.gate = gate
-        agent.start()
+        agent.start(coordinator)
         await eventually(lambda: agent.redis_up, what=f"{name} to register")
         host = Host(
             name=name, h=Harness(coordinator=coordinator, fake=fake), agent=agent, gate=gate, store=store
@@ -270,9 +277,14 @@ async def test_only_the_leader_runs_retention_and_it_skips_what_another_host_own
     for host in (leader, other):
         config = host.coordinator.config.retention.model_copy(update=limits)
         job = RetentionJob(
-            store=host.store, config=config, metrics=Metrics(), protected_keys=host.coordinator.protected_keys
+            store=host.store,
+            config=config,
+            metrics=Metrics(),
+            protected_keys=host.coordinator.protected_keys,
+            fleet=LeaderRetention(
+                host.agent, host.gate, host.store.reload_all, ownership=host.coordinator.ownership
+            ),
         )
-        job.fleet = LeaderRetention(host.agent, host.gate, host.store.reload_all)
         jobs[host.name] = job
     skipped = await jobs[other.name].run()
     assert skipped["fleet"] == "not leader" and skipped["deletions"] == []

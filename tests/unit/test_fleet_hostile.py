@@ -124,7 +124,7 @@ async def test_a_malformed_owner_value_neither_raises_nor_takes_redis_down(
     h1 = await start_host("h1")
     k = key_of("A")
     await h1.agent.client.set(f"t:owner:{k}", value)
-    router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
+    router = FleetRouter(h1.agent, h1.coordinator, token=None)
     try:
         claim = await h1.gate.claim(k)  # ValueError ("h1|abc") / Redis marked down ("garbage") today
         assert h1.agent.redis_up, "one malformed key took this host's whole fleet view down"
@@ -148,11 +148,16 @@ def test_a_host_record_with_non_numeric_slot_counts_is_refused() -> None:
 # the leader's retention -------------------------------------------------------------------------------
 def _retention(host: Host) -> RetentionJob:
     config = host.coordinator.config.retention.model_copy(update={"max_age_days": None})
-    job = RetentionJob(
-        store=host.store, config=config, metrics=Metrics(), protected_keys=host.coordinator.protected_keys
+    leader = LeaderRetention(
+        host.agent, host.gate, host.store.reload_all, ownership=host.coordinator.ownership
     )
-    job.fleet = LeaderRetention(host.agent, host.gate, host.store.reload_all)
-    return job
+    return RetentionJob(
+        store=host.store,
+        config=config,
+        metrics=Metrics(),
+        protected_keys=host.coordinator.protected_keys,
+        fleet=leader,
+    )
 
 
 async def _leader_and_other(start_host: Callable[..., Awaitable[Host]]) -> tuple[Host, Host]:
@@ -293,7 +298,7 @@ async def test_a_forward_to_a_host_that_stopped_answering_does_not_hang(
     await awaited(h1.agent.client.sadd("t:hosts", "h9"))
     await h1.agent.client.set(f"t:owner:{k}", "h9|5", px=60_000)
     await eventually(lambda: "h9" in h1.agent.hosts, what="h1 to see h9 live")
-    router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
+    router = FleetRouter(h1.agent, h1.coordinator, token=None)
 
     async def serve() -> dict[str, Any]:
         return {"outcome": "cold", "lease_id": "x"}

@@ -29,7 +29,8 @@ from kvsidecar.fleet.plane import HostRecord, awaited
 from kvsidecar.fleet.routing import FleetRouter
 from kvsidecar.metrics import Metrics
 from kvsidecar.proxy.app import Proxy
-from kvsidecar.retention.job import Deletion, RetentionJob
+from kvsidecar.retention.job import RetentionJob
+from kvsidecar.retention.plan import Deletion
 from kvsidecar.store.snapshots import SnapshotStore
 from tests.fleet_helpers import BoundSocket, eventually
 from tests.unit.test_fleet_fencing import Host, key_of, manifest_bytes, start_host
@@ -89,9 +90,8 @@ async def test_a_proxied_request_for_a_host_that_stopped_is_served_here_once_it_
     serves the same session here after `host_ttl_s`."""
     h1 = await start_host("h1")
     k = key_of("A")
-    router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
-    proxy = Proxy(h1.coordinator, h1.coordinator.config, token=None, check_host=False)
-    proxy.fleet = lambda: router
+    router = FleetRouter(h1.agent, h1.coordinator, token=None)
+    proxy = Proxy(h1.coordinator, h1.coordinator.config, token=None, check_host=False, fleet=lambda: router)
     served_here: list[str] = []
 
     class LocalLlama:  # stands in for this host's llama-server: what is served here answers at once
@@ -139,7 +139,7 @@ async def test_a_purge_deletes_a_session_that_only_the_shared_directory_still_kn
     assert (await h2.coordinator.save("A"))["saved"] == 1
     await h2.agent.aclose()  # h2 leaves the fleet for good (its lease's holder is no longer live)
     await eventually(lambda: "h2" not in h1.agent.hosts, what="h2 gone from h1's view")
-    router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
+    router = FleetRouter(h1.agent, h1.coordinator, token=None)
     try:
         answer: dict[str, Any] | str = await purge_everywhere(router, h1)
     except NotFound as exc:
@@ -162,7 +162,7 @@ async def test_a_purge_that_deleted_nothing_does_not_report_the_session_purged(
     k = key_of("A")
     await h1.h.turn("A")
     assert (await h1.coordinator.save("A"))["saved"] == 1
-    router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
+    router = FleetRouter(h1.agent, h1.coordinator, token=None)
     with silent_listener() as url:
         await fake_peer(h1, "h9", url, ttl_ms=1500)  # h9 stops heartbeating now
         await h1.agent.client.set(f"t:owner:{k}", f"h9|{10**15}", px=60_000)  # h9 took A, then stopped
@@ -192,9 +192,14 @@ async def test_the_leaders_retention_does_not_let_go_of_a_session_it_serves_mean
     assert await other.agent.leases.release(k, other.name, other.gate.tokens[k])
     config = leader.coordinator.config.retention.model_copy(update={"max_age_days": None})
     job = RetentionJob(
-        store=leader.store, config=config, metrics=Metrics(), protected_keys=leader.coordinator.protected_keys
+        store=leader.store,
+        config=config,
+        metrics=Metrics(),
+        protected_keys=leader.coordinator.protected_keys,
+        fleet=LeaderRetention(
+            leader.agent, leader.gate, leader.store.reload_all, ownership=leader.coordinator.ownership
+        ),
     )
-    job.fleet = LeaderRetention(leader.agent, leader.gate, leader.store.reload_all)
     job.policy = type(job.policy)(max_total_bytes=1)
     entered, go = threading.Event(), threading.Event()
     delete = job._delete
@@ -229,8 +234,8 @@ async def test_an_auxiliary_lease_can_be_released_through_any_host(
     h1 = await start_host("h1", advertise_url=url)
     h2 = await start_host("h2")
     await eventually(lambda: "h1" in h2.agent.hosts, what="h2 to see h1")
-    r1 = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
-    r2 = FleetRouter(h2.agent, h2.gate, h2.coordinator, token=None)
+    r1 = FleetRouter(h1.agent, h1.coordinator, token=None)
+    r2 = FleetRouter(h2.agent, h2.coordinator, token=None)
     app1 = create_app(h1.coordinator, check_host=False, fleet=lambda: r1)
     app2 = create_app(h2.coordinator, check_host=False, fleet=lambda: r2)
     try:
@@ -270,7 +275,7 @@ async def test_a_malformed_residency_entry_neither_breaks_routing_nor_the_leader
     with silent_listener() as url:
         await fake_peer(h1, "h9", url, ttl_ms=60_000)
         await awaited(h1.agent.client.hset("t:res:h9", k, entry))  # type: ignore[arg-type]
-        router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
+        router = FleetRouter(h1.agent, h1.coordinator, token=None)
         try:
             await router.owner_of(k)
             await h1.agent.plane.residency("h9")
@@ -287,7 +292,7 @@ async def test_an_owner_value_that_is_not_utf8_does_not_fail_the_acquire(
     h1 = await start_host("h1")
     k = key_of("A")
     await h1.agent.client.set(f"t:owner:{k}", b"h9\xff|5")
-    router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
+    router = FleetRouter(h1.agent, h1.coordinator, token=None)
     try:
         await router.owner_of(k)
     finally:
@@ -327,7 +332,7 @@ async def test_a_fan_out_does_not_wait_for_a_host_that_holds_nothing_of_the_sess
     h1 = await start_host("h1", forward_timeout_s=120)
     with silent_listener() as url:
         await fake_peer(h1, "h9", url, ttl_ms=60_000)  # live, holds nothing, never answers
-        router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
+        router = FleetRouter(h1.agent, h1.coordinator, token=None)
 
         async def serve() -> dict[str, Any]:
             return {"saved": 0}

@@ -14,7 +14,7 @@ from typing import Any
 from kvsidecar.api.routes import create_app
 from kvsidecar.errors import NotFound
 from kvsidecar.fleet.routing import FleetRouter
-from kvsidecar.proxy.app import Proxy
+from kvsidecar.proxy.peers import PeerProxies
 from kvsidecar.store.saving import SavePlan
 from tests.fleet_helpers import BoundSocket, eventually
 from tests.unit.test_fleet_fencing import Host, key_of, manifest_bytes, start_host
@@ -64,7 +64,7 @@ async def test_a_redis_blip_does_not_abort_a_healthy_peers_proxied_answer(
     live is cancelled, the peer's prefill is thrown away, and the request is redone here from cold or a
     restore, though nothing says the peer stopped."""
     h1 = await start_host("h1", heartbeat_s=0.05, host_ttl_s=30.0, owner_lease_ttl_s=60.0)
-    router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
+    router = FleetRouter(h1.agent, h1.coordinator, token=None)
     with silent_listener() as url:
         await fake_peer(h1, "h9", url, ttl_ms=30_000, proxy=True)  # h9 is live and will answer
 
@@ -86,7 +86,7 @@ async def test_a_redis_blip_does_not_abort_a_healthy_peers_proxied_answer(
 
         router.is_live = counting  # type: ignore[method-assign]
         try:
-            result = await Proxy._until_gone(answer, router, "h9", [])
+            result = await PeerProxies._until_gone(answer, router, "h9", [])
         finally:
             await router.aclose()
     assert result == "ok", f"the forward was given up after {len(asked)} look(s) at h9 (live: {asked})"
@@ -111,8 +111,8 @@ async def test_a_purge_reaches_the_live_host_that_owns_a_session_no_slot_holds(
     holder = await h2.agent.leases.holder(k)
     assert holder is not None and holder.holder == "h2"
     await h2.agent.heartbeat()  # the residency map says: B on h2, A nowhere
-    r1 = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
-    r2 = FleetRouter(h2.agent, h2.gate, h2.coordinator, token=None)
+    r1 = FleetRouter(h1.agent, h1.coordinator, token=None)
+    r2 = FleetRouter(h2.agent, h2.coordinator, token=None)
     app2 = create_app(h2.coordinator, check_host=False, fleet=lambda: r2)
     answer: dict[str, Any] | str
     try:

@@ -22,7 +22,7 @@ from kvsidecar.coordinator.caller import Caller
 from kvsidecar.errors import LeaseNotFound, SlotBusy
 from kvsidecar.fleet.plane import awaited
 from kvsidecar.fleet.routing import FleetRouter
-from kvsidecar.http.router import DEADLINE_HEADER
+from kvsidecar.http.guards import DEADLINE_HEADER, HOP_HEADER
 from tests.fleet_helpers import BoundSocket, eventually
 from tests.unit.test_fleet_fencing import Host, key_of, start_host
 
@@ -45,8 +45,8 @@ async def test_a_forwarded_acquire_whose_sender_gave_up_grants_nothing_on_the_re
     await h2.h.turn("A")  # A belongs to h2
     other = await h2.coordinator.acquire("Z", provider="local", model="m")  # and h2's only slot is held
     assert other.lease_id is not None
-    r1 = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
-    r2 = FleetRouter(h2.agent, h2.gate, h2.coordinator, token=None)
+    r1 = FleetRouter(h1.agent, h1.coordinator, token=None)
+    r2 = FleetRouter(h2.agent, h2.coordinator, token=None)
     app2 = create_app(h2.coordinator, check_host=False, fleet=lambda: r2)
     srv2 = h2.coordinator.servers["local"]
     caller = Caller()
@@ -59,11 +59,13 @@ async def test_a_forwarded_acquire_whose_sender_gave_up_grants_nothing_on_the_re
             forwarded = asyncio.ensure_future(
                 r1.acquire(k, "local", "/v1/sessions/A/acquire", BODY, 0, serve, caller=caller)
             )
-            await eventually(lambda: bool(srv2.waiters), what="the forwarded acquire to wait on h2")
+            await eventually(
+                lambda: bool(h2.coordinator.pool.queued(srv2)), what="the forwarded acquire to wait on h2"
+            )
             caller.leave()  # h1's caller is gone: h1 gives up the forward (its connection closes)
             with pytest.raises(SlotBusy):
                 await forwarded
-            await eventually(lambda: not srv2.waiters, what="h2 to see its caller leave")
+            await eventually(lambda: not h2.coordinator.pool.queued(srv2), what="h2 to see its caller leave")
             await h2.coordinator.release(other.lease_id, status="aborted")  # the slot is free now
             assert len(h2.coordinator.leases) == 0, "h2 granted a lease to a caller that had left"
             slot = srv2.slots[0]
@@ -71,6 +73,37 @@ async def test_a_forwarded_acquire_whose_sender_gave_up_grants_nothing_on_the_re
     finally:
         await r1.aclose()
         await r2.aclose()
+
+
+async def test_a_peers_error_answer_is_passed_back_as_it_came(
+    start_host: Callable[..., Awaitable[Host]],
+) -> None:
+    """The router sends through the hook-API client (`AsyncKvSidecar.send`), which maps nothing: a peer's
+    error answer comes back with its status, body, Content-Type and Retry-After, and the call carried the
+    fleet token, the hop count and the deadline."""
+    h1 = await start_host("h1")
+    await start_host("h2", advertise_url="http://127.0.0.2:9")  # never reached: a mock transport answers
+    await eventually(lambda: "h2" in h1.agent.hosts, what="h1 to see h2")
+    seen: list[httpx.Request] = []
+    error = {"error": {"code": "KV_SLOT_BUSY", "message": "every slot is busy", "hint": "retry"}}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(503, json=error, headers={"Retry-After": "2", "X-Other": "dropped"})
+
+    router = FleetRouter(h1.agent, h1.coordinator, token="t" * 32, transport=httpx.MockTransport(answer))
+    try:
+        forwarded = await router.forward("h2", "POST", "/v1/sessions/A%2FB/acquire", BODY, 0)
+    finally:
+        await router.aclose()
+    assert forwarded.status_code == 503 and json.loads(bytes(forwarded.body)) == error
+    assert forwarded.headers["retry-after"] == "2" and forwarded.headers["content-type"] == "application/json"
+    assert "x-other" not in forwarded.headers
+    (request,) = seen
+    assert str(request.url) == "http://127.0.0.2:9/v1/sessions/A%2FB/acquire"
+    assert json.loads(request.content) == BODY
+    assert request.headers["authorization"] == "Bearer " + "t" * 32
+    assert request.headers[HOP_HEADER] == "1" and int(request.headers[DEADLINE_HEADER]) > 0
 
 
 async def test_a_forwarded_call_carries_the_budget_its_sender_waits(
@@ -86,9 +119,7 @@ async def test_a_forwarded_call_carries_the_budget_its_sender_waits(
         seen.append(request.headers)
         return httpx.Response(200, json={"outcome": "cold", "lease_id": "h2~x"})
 
-    router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
-    await router.http.aclose()
-    router.http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    router = FleetRouter(h1.agent, h1.coordinator, token=None, transport=httpx.MockTransport(answer))
     try:
         await router.forward("h2", "POST", "/v1/sessions/A/acquire", BODY, 0)
         loop = asyncio.get_running_loop()
@@ -108,10 +139,10 @@ async def test_a_release_for_a_host_that_is_not_live_is_applied_when_it_is_back(
     h1 = await start_host("h1")
     h2 = await start_host("h2")
     await eventually(lambda: "h2" in h1.agent.hosts, what="h1 to see h2")
-    r1 = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
-    r2 = FleetRouter(h2.agent, h2.gate, h2.coordinator, token=None)
+    r1 = FleetRouter(h1.agent, h1.coordinator, token=None)
+    r2 = FleetRouter(h2.agent, h2.coordinator, token=None)
     try:
-        await h1.agent.heartbeat()  # h1 has seen h2 live (after_heartbeat: r1 records it)
+        await h1.agent.heartbeat()  # h1 has seen h2 live (its agent records it)
         lease = await h2.coordinator.acquire("A", provider="local", model="m")
         assert lease.lease_id is not None and lease.slot_id is not None
         named = r2.named(lease.to_dict())["lease_id"]
@@ -166,14 +197,12 @@ async def test_a_forwarded_budget_always_fits_the_header_its_receiver_takes(
         seen.append(request.headers)
         return httpx.Response(200, json={"outcome": "cold", "lease_id": "h2~x"})
 
-    router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
-    await router.http.aclose()
-    router.http = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    router = FleetRouter(h1.agent, h1.coordinator, token=None, transport=httpx.MockTransport(answer))
     try:
         await router.forward("h2", "POST", "/v1/sessions/A/acquire", BODY, 0)
     finally:
         await router.aclose()
-    from kvsidecar.http.router import deadline_budget
+    from kvsidecar.http.guards import deadline_budget
 
     sent = seen[0][DEADLINE_HEADER]
     assert sent == "999999999"

@@ -312,7 +312,7 @@ async def test_a_forged_advertise_url_never_sends_an_acquire_to_a_slot_action(
     llama = keep_alive_origin()
     await llama.start()
     h1 = await start_host("h1")
-    router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
+    router = FleetRouter(h1.agent, h1.coordinator, token=None)
     try:
         await forge(h1, "h9", advertise_url=f"{llama.url}/slots/0?action=erase&x=")
         k = key_of("A")
@@ -371,9 +371,8 @@ async def test_a_peer_proxy_that_is_not_a_kvsidecar_never_answers_the_client(
     )
     await other.start()
     h1 = await start_host("h1")
-    router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
-    proxy = Proxy(h1.coordinator, h1.coordinator.config, token=None, check_host=False)
-    proxy.fleet = lambda: router
+    router = FleetRouter(h1.agent, h1.coordinator, token=None)
+    proxy = Proxy(h1.coordinator, h1.coordinator.config, token=None, check_host=False, fleet=lambda: router)
     served_here: list[bytes] = []
 
     class LocalLlama:  # this host's llama-server: what is served here
@@ -411,9 +410,8 @@ async def test_a_peer_proxy_names_itself_on_every_answer_to_a_forwarded_request(
     start_host: Callable[..., Awaitable[Host]],
 ) -> None:
     h1 = await start_host("h1")
-    router = FleetRouter(h1.agent, h1.gate, h1.coordinator, token=None)
-    proxy = Proxy(h1.coordinator, h1.coordinator.config, token=None, check_host=False)
-    proxy.fleet = lambda: router
+    router = FleetRouter(h1.agent, h1.coordinator, token=None)
+    proxy = Proxy(h1.coordinator, h1.coordinator.config, token=None, check_host=False, fleet=lambda: router)
     transport = httpx.ASGITransport(app=proxy)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:

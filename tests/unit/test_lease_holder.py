@@ -19,6 +19,8 @@ import pytest
 
 from kvsidecar.api.routes import create_app
 from kvsidecar.coordinator.caller import Caller, deadline_from_budget
+from kvsidecar.coordinator.pool import SlotPool
+from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.state import Outcome
 from kvsidecar.errors import LeaseNotFound, SlotBusy
 from kvsidecar.store.naming import SnapshotIdentity
@@ -38,10 +40,14 @@ async def h(tmp_path: Path) -> AsyncIterator[Harness]:
     await harness.coordinator.aclose()
 
 
+def nobody_queued(pool: SlotPool, srv: ServerRuntime) -> bool:
+    return not pool.queued(srv)
+
+
 async def queued(h: Harness, n: int = 1) -> None:
     """Until `n` acquires wait in the queue (each loop step lets the waiting task run)."""
     srv = h.coordinator.servers["local"]
-    while len(srv.waiters) < n:
+    while h.coordinator.pool.queued(srv) < n:
         await asyncio.sleep(0)
 
 
@@ -52,11 +58,11 @@ def slot_free(h: Harness) -> bool:
 
 async def next_session_gets_the_slot_at_once(h: Harness, session: str = "C") -> None:
     """A slot nobody holds is taken without waiting: KV_SLOT_BUSY at once otherwise."""
-    h.coordinator.acquire_timeout_s = 0
+    h.coordinator.acquirer.acquire_timeout_s = 0
     r = await h.coordinator.acquire(session, provider="local", model="m")
     assert r.lease_id is not None
     await h.coordinator.release(r.lease_id, status="aborted")
-    h.coordinator.acquire_timeout_s = None
+    h.coordinator.acquirer.acquire_timeout_s = None
 
 
 # the caller leaves -------------------------------------------------------------------------------------
@@ -68,7 +74,7 @@ async def test_a_caller_that_leaves_while_waiting_for_a_slot_gets_no_lease(h: Ha
     caller.leave()
     with pytest.raises(SlotBusy, match="abandoned"):
         await waiting
-    assert not h.coordinator.servers["local"].waiters
+    assert not h.coordinator.pool.queued(h.coordinator.servers["local"])
     assert first.lease_id is not None
     await h.coordinator.release(first.lease_id, status="ok")
     # before the fix B got the slot here and held it for lease_ttl_s: the next session waited, then 503
@@ -135,7 +141,7 @@ async def test_a_deadline_ends_the_wait_for_a_slot(h: Harness) -> None:
     caller = Caller(deadline=loop.time())
     with pytest.raises(SlotBusy):
         await asyncio.wait_for(h.coordinator.acquire("B", provider="local", model="m", caller=caller), 10)
-    assert not h.coordinator.servers["local"].waiters
+    assert not h.coordinator.pool.queued(h.coordinator.servers["local"])
     assert first.lease_id is not None
     await h.coordinator.release(first.lease_id, status="ok")
     assert len(h.coordinator.leases) == 0 and slot_free(h)
@@ -156,7 +162,7 @@ async def test_a_lease_never_used_ends_at_its_claim_ttl(h: Harness) -> None:
     api = h.coordinator.config.api
     assert lease.expiry.when() == pytest.approx(lease.granted_at + api.lease_claim_ttl_s)
     assert api.lease_claim_ttl_s < api.lease_ttl_s
-    await h.coordinator._check_claim(r.lease_id)  # what the claim timer does
+    await h.coordinator.lease_ends.check_claim(r.lease_id)  # what the claim timer does
     assert r.lease_id not in h.coordinator.leases and slot_free(h)
     assert h.coordinator.sessions.by_key[key("A")].dirty_revision == 0  # ended as aborted
     with pytest.raises(LeaseNotFound):
@@ -168,7 +174,7 @@ async def test_a_lease_whose_slot_is_working_keeps_its_full_ttl(h: Harness) -> N
     r = await h.coordinator.acquire("A", provider="local", model="m")
     assert r.lease_id is not None and r.slot_id is not None
     h.fake.slots[r.slot_id].is_processing = True  # the harness' model call runs on it
-    await h.coordinator._check_claim(r.lease_id)
+    await h.coordinator.lease_ends.check_claim(r.lease_id)
     lease = h.coordinator.leases.get(r.lease_id)
     assert lease is not None and lease.active and lease.expiry is not None
     assert lease.expiry.when() == pytest.approx(lease.granted_at + h.coordinator.config.api.lease_ttl_s)
@@ -182,7 +188,7 @@ async def test_a_lease_whose_model_call_already_ran_keeps_its_full_ttl(h: Harnes
     r = await h.coordinator.acquire("A", provider="local", model="m")
     assert r.lease_id is not None and r.slot_id is not None and r.outcome is Outcome.COLD
     prompt_n, cache_n = h.fake.infer(r.slot_id, conversation("A", 1))
-    await h.coordinator._check_claim(r.lease_id)
+    await h.coordinator.lease_ends.check_claim(r.lease_id)
     lease = h.coordinator.leases.get(r.lease_id)
     assert lease is not None and lease.active
     out = await h.coordinator.release(r.lease_id, status="ok", prompt_tokens=prompt_n, cached_tokens=cache_n)
@@ -193,7 +199,7 @@ async def test_a_claim_the_engine_cannot_judge_is_asked_again_not_ended(h: Harne
     r = await h.coordinator.acquire("A", provider="local", model="m")
     assert r.lease_id is not None
     h.fake.set_unavailable()
-    await h.coordinator._check_claim(r.lease_id)
+    await h.coordinator.lease_ends.check_claim(r.lease_id)
     lease = h.coordinator.leases.get(r.lease_id)
     assert lease is not None and not lease.active and lease.expiry is not None
     loop = asyncio.get_running_loop()
@@ -208,7 +214,7 @@ async def test_a_renewed_lease_is_active_with_the_full_ttl(h: Harness) -> None:
     r = await h.coordinator.acquire("A", provider="local", model="m")
     assert r.lease_id is not None
     h.coordinator.renew(r.lease_id)
-    await h.coordinator._check_claim(r.lease_id)  # a late claim timer changes nothing
+    await h.coordinator.lease_ends.check_claim(r.lease_id)  # a late claim timer changes nothing
     lease = h.coordinator.leases.get(r.lease_id)
     assert lease is not None and lease.active and lease.expiry is not None
     loop = asyncio.get_running_loop()
@@ -294,7 +300,7 @@ async def test_hook_api_acquire_honours_the_deadline_header(h: Harness) -> None:
     assert first["status"] == 200
     spent = await Client("/v1/sessions/B/acquire", BODY, [(b"x-kv-deadline-ms", b"0")]).run(app)
     assert spent["status"] == 503 and json.loads(spent["body"])["error"]["code"] == "KV_SLOT_BUSY"
-    assert not h.coordinator.servers["local"].waiters and len(h.coordinator.leases) == 1
+    assert not h.coordinator.pool.queued(h.coordinator.servers["local"]) and len(h.coordinator.leases) == 1
     for bad in (b"soon", b"-1", b"1e3", b"1234567890", b""):
         answer = await Client("/v1/sessions/B/acquire", BODY, [(b"x-kv-deadline-ms", bad)]).run(app)
         assert answer["status"] == 400, bad
@@ -319,7 +325,7 @@ async def test_hook_api_repeated_deadline_headers_are_refused_and_whitespace_is_
         assert "more than one" in json.loads(answer["body"])["error"]["message"]
     spent = await Client("/v1/sessions/B/acquire", BODY, [(b"x-kv-deadline-ms", b" 0\t")]).run(app)
     assert spent["status"] == 503 and json.loads(spent["body"])["error"]["code"] == "KV_SLOT_BUSY"
-    assert not h.coordinator.servers["local"].waiters and len(h.coordinator.leases) == 1
+    assert not h.coordinator.pool.queued(h.coordinator.servers["local"]) and len(h.coordinator.leases) == 1
 
 
 async def test_hook_api_acquire_with_a_request_pipelined_behind_it_grants_nothing_once_the_client_leaves(
@@ -328,7 +334,6 @@ async def test_hook_api_acquire_with_a_request_pipelined_behind_it_grants_nothin
     """Keep-alive with pipelining, over a real socket: the client sends an acquire that waits for a slot
     and a second request behind it, then closes. uvicorn tells only the newest request that the client
     left; before the fix the waiting acquire never heard of it and got the lease once the slot freed."""
-    import operator
     from functools import partial
 
     from tests.fleet_helpers import eventually
@@ -339,6 +344,7 @@ async def test_hook_api_acquire_with_a_request_pipelined_behind_it_grants_nothin
     body = json.dumps(BODY).encode()
     async for api in serve_api(tmp_path):
         srv = api.h.coordinator.servers["local"]
+        pool = api.h.coordinator.pool
         first = await raw_request(api.url, "POST", "/v1/sessions/A/acquire", headers=auth, body=body)
         assert first.status == 200
         head = "".join(f"{k}: {v}\r\n" for k, v in auth.items())
@@ -349,10 +355,10 @@ async def test_hook_api_acquire_with_a_request_pipelined_behind_it_grants_nothin
         sock = open_socket(api.url)
         try:
             sock.sendall(acquire + b"GET /healthz HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
-            await eventually(partial(len, srv.waiters), what="B's acquire to wait for the slot")
+            await eventually(partial(pool.queued, srv), what="B's acquire to wait for the slot")
         finally:
             sock.close()  # the client gives up
-        await eventually(partial(operator.not_, srv.waiters), what="B's acquire to see it leave")
+        await eventually(partial(nobody_queued, pool, srv), what="B's acquire to see it leave")
         lease = first.json()["lease_id"]
         released = await raw_request(
             api.url, "POST", f"/v1/leases/{lease}/release", headers=auth, body=b'{"status": "ok"}'

@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from kvsidecar.api.routes import create_app
-from kvsidecar.daemon import service
+from kvsidecar.daemon import listen
 from kvsidecar.daemon.service import _uvicorn
 from kvsidecar.errors import ConfigError
-from kvsidecar.http.listener import Limits, ListenerState
+from kvsidecar.http.limits import Limits, ListenerState
 from kvsidecar.units import UNITS, UnitParams, render
 from tests.unit.coordinator_helpers import Harness, make_config, start_harness
 from tests.unit.origin import Origin, OriginConn
@@ -183,9 +183,9 @@ def test_caps_must_fit_the_descriptor_limit(tmp_path: Path, monkeypatch: pytest.
     fits = make_config(
         tmp_path, api={"max_connections": 1000}, proxy={"enabled": True, "max_connections": 1000}
     )
-    assert service.ensure_fd_budget(fits) == 4096  # raised as far as the hard limit allows
+    assert listen.ensure_fd_budget(fits) == 4096  # raised as far as the hard limit allows
     limits["soft"] = 1024
     too_many = make_config(tmp_path, proxy={"enabled": True, "max_connections": 5000})
     with pytest.raises(ConfigError) as caught:
-        service.ensure_fd_budget(too_many)
+        listen.ensure_fd_budget(too_many)
     assert caught.value.message.startswith("api.max_connections: the listeners may hold 10384")

@@ -19,7 +19,8 @@ import uvicorn
 
 from kvsidecar.api.routes import create_app
 from kvsidecar.daemon.service import _uvicorn
-from kvsidecar.http.listener import LimitedHttpProtocol, Limits, ListenerState
+from kvsidecar.http.limits import Limits, ListenerState
+from kvsidecar.http.listener import LimitedHttpProtocol
 from kvsidecar.http.openapi import ErrorBody
 from kvsidecar.http.router import Router
 from kvsidecar.proxy.answers import openai_error

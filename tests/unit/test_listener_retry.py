@@ -11,7 +11,7 @@ import h11
 import pytest
 
 from kvsidecar.api.routes import create_app
-from kvsidecar.http.listener import Limits, ListenerState
+from kvsidecar.http.limits import Limits, ListenerState
 from kvsidecar.http.router import Router
 from kvsidecar.proxy.answers import openai_error
 from tests.unit.coordinator_helpers import start_harness

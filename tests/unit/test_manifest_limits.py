@@ -19,7 +19,8 @@ from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.config import RetentionConfig
 from kvsidecar.daemon.service import Daemon
 from kvsidecar.metrics import Metrics
-from kvsidecar.retention.job import Disk, RetentionJob
+from kvsidecar.retention.job import RetentionJob
+from kvsidecar.retention.plan import Disk
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import SnapshotStore
 from tests.unit.coordinator_helpers import conversation, make_config

@@ -24,17 +24,11 @@ from kvsidecar.backend.llamacpp import LlamaCppBackend
 from kvsidecar.coordinator.state import Outcome
 from kvsidecar.coordinator.views import server_view
 from kvsidecar.doctor.checks import Doctor
-from kvsidecar.fingerprint.llama_process import MappedFile, model_mappings
-from kvsidecar.fingerprint.runtime import (
-    FileDigestCache,
-    ProcessInfo,
-    RuntimeFingerprint,
-    build_fingerprint,
-    file_digest,
-    model_paths,
-    model_proof,
-    parse_flags,
-)
+from kvsidecar.fingerprint.file_digests import FileDigestCache, file_digest
+from kvsidecar.fingerprint.llama_process import MappedFile, ProcessInfo, model_mappings
+from kvsidecar.fingerprint.llama_settings import parse_flags
+from kvsidecar.fingerprint.model_files import model_paths, model_proof
+from kvsidecar.fingerprint.runtime import RuntimeFingerprint, build_fingerprint
 from tests.unit.coordinator_helpers import Harness, make_config
 
 CAPS = BackendCapabilities(
@@ -203,9 +197,9 @@ async def test_a_model_mapped_again_in_the_same_process_is_a_new_runtime(h: Harn
     srv.mappings = lambda _pid: (reloaded,)
     assert await srv.same_instance() is False
     h.process[0] = replace(proc(), mapped_models=(reloaded,))
-    epoch = srv.epoch
+    epoch = h.coordinator.guard.epoch(srv)
     await h.coordinator.guard.refresh(srv)
-    assert srv.epoch == epoch + 1  # every slot's residency forgotten
+    assert h.coordinator.guard.epoch(srv) == epoch + 1  # every slot's residency forgotten
 
 
 async def test_a_mapped_model_rewritten_in_place_voids_the_bracket(h: Harness, mapped_model: Path) -> None:
@@ -222,19 +216,20 @@ async def test_a_mapped_model_rewritten_in_place_voids_the_bracket(h: Harness, m
         f.write(b"changed")
     assert await srv.same_instance() is False
     h.process[0] = this_process(mapped_model)
-    epoch = srv.epoch
+    epoch = h.coordinator.guard.epoch(srv)
     await h.coordinator.guard.refresh(srv)
-    assert srv.epoch == epoch + 1  # seen by the probe too, and fingerprinted again
+    assert h.coordinator.guard.epoch(srv) == epoch + 1  # seen by the probe too, and fingerprinted again
 
 
 async def test_the_probe_leaves_a_sleeping_server_asleep(h: Harness) -> None:
     await h.turn("A")
     h.fake.sleep()
     srv = h.coordinator.servers["local"]
-    epoch = srv.epoch
+    epoch = h.coordinator.guard.epoch(srv)
     await h.coordinator.guard.refresh(srv)
     assert h.fake.sleeping and h.fake.wakes == 0
-    assert srv.fingerprint is None and srv.epoch == epoch + 1  # the KV in its slots is gone
+    assert srv.fingerprint is None  # the KV in its slots is gone
+    assert h.coordinator.guard.epoch(srv) == epoch + 1
 
 
 @pytest.mark.parametrize("other_weights", [False, True])

@@ -25,8 +25,10 @@ from starlette.types import ASGIApp, Message
 
 from kvsidecar.api.routes import create_app
 from kvsidecar.errors import InvalidSessionId
-from kvsidecar.http.router import Route, Router
-from kvsidecar.retention.job import Disk, RetentionJob
+from kvsidecar.http.router import Router
+from kvsidecar.http.routes import Route
+from kvsidecar.retention.job import RetentionJob
+from kvsidecar.retention.plan import Disk
 from kvsidecar.store.naming import validate_session_id
 from tests.unit.coordinator_helpers import Harness, conversation
 
@@ -230,7 +232,8 @@ async def test_every_route_during_and_after_shutdown_is_declared(h: Harness) -> 
         await h.coordinator.aclose()
 
     api = Api(h, lifespan=lifespan)
-    h.coordinator.acquire_timeout_s = 0  # a slot that is not free now is KV_SLOT_BUSY at once (never waits)
+    # a slot that is not free now is KV_SLOT_BUSY at once (never waits)
+    h.coordinator.acquirer.acquire_timeout_s = 0
     async with lifespan_of(api.app) as (inbox, outbox), api.client() as c:
         lease = (await c.post("/v1/sessions/A/acquire", json=VALID_BODY["AcquireBody"])).json()["lease_id"]
         await inbox.put({"type": "lifespan.shutdown"})
@@ -257,13 +260,13 @@ async def test_a_request_cancelled_by_the_server_at_shutdown_is_a_declared_503(h
         first = await call(c, acquire, session="A")
         waiting = asyncio.ensure_future(call(c, acquire, session="B"))
         srv = h.coordinator.servers["local"]
-        while not srv.waiters:
+        while not h.coordinator.pool.queued(srv):
             await asyncio.sleep(0)
         waiting.cancel()
         r = await waiting
         api.check(acquire, r)
         assert r.status_code == 503 and r.json()["error"]["code"] == "KV_SHUTTING_DOWN"
-        assert not srv.waiters
+        assert not h.coordinator.pool.queued(srv)
         release = await c.post(f"/v1/leases/{first.json()['lease_id']}/release", json={"status": "aborted"})
         assert release.status_code == 200
 

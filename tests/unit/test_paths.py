@@ -20,7 +20,8 @@ import pytest
 from kvsidecar.config import RetentionConfig
 from kvsidecar.errors import KvError, SaveFailed, SnapshotCorrupt
 from kvsidecar.metrics import Metrics
-from kvsidecar.retention.job import Disk, RetentionJob
+from kvsidecar.retention.job import RetentionJob
+from kvsidecar.retention.plan import Disk
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import SnapshotStore
 from tests.unit.test_store import FP, ID, make_store, save, server_writes

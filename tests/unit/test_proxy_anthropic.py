@@ -14,20 +14,21 @@ from typing import Any
 import pytest
 
 from kvsidecar.proxy.anthropic import (
+    MAX_DEPTH,
+    chat_request_bytes,
+    messages_to_chat,
+    normalize_billing_header,
+)
+from kvsidecar.proxy.anthropic_answer import chat_answer_to_message_bytes, chat_to_message
+from kvsidecar.proxy.anthropic_errors import (
     CODES,
     INVALID_FIELD,
     INVALID_TEXT,
-    MAX_DEPTH,
     MISSING_FIELD,
     TOO_LARGE,
     UPSTREAM_INVALID,
     ConversionError,
-    chat_answer_to_message_bytes,
-    chat_request_bytes,
-    chat_to_message,
     error_to_anthropic,
-    messages_to_chat,
-    normalize_billing_header,
 )
 from kvsidecar.proxy.anthropic_stream import MAX_EVENT_BYTES, StreamTransducer
 from tests.anthropic_helpers import accumulate, check_message, parse_sse

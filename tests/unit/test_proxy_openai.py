@@ -19,7 +19,7 @@ import pytest
 
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.coordinator.state import AcquireResult, Outcome
-from kvsidecar.fingerprint import runtime as fingerprint
+from kvsidecar.fingerprint import reasons as fingerprint
 from kvsidecar.proxy.answers import OTHER, REASONS, reason_token
 from tests.unit.origin import Origin, OriginConn, Request, keep_alive_origin
 from tests.unit.rawhttp import open_socket, read_until_closed

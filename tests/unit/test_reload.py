@@ -98,7 +98,7 @@ def assert_live_applied(d: Daemon) -> None:
     breaker = d.coordinator.servers["local"].breaker
     assert (breaker.base_cooldown_s, breaker.max_consecutive_failures) == (7, 9)
     assert d.retention.policy.max_sessions == 3 and d.retention.config.interval_s == 120
-    job = d.coordinator.scheduler.get_job("retention")
+    job = d.scheduler.get_job("retention")
     assert job is not None and job.trigger.interval.total_seconds() == 120
     root = logging.getLogger(ROOT)
     assert root.level == logging.DEBUG
@@ -218,3 +218,35 @@ def test_changed_keys_names_leaves_and_whole_new_entries() -> None:
     new = {"a": {"x": 1, "y": {"z": 3}}, "s": {"one": {"u": 1}, "two": {"u": 1, "v": 2}}}
     assert changed_keys(old, new) == ["a.y.z", "s.two"]
     assert changed_keys(new, new) == []
+
+
+async def test_the_fleet_section_is_restart_only_for_the_coordinator_too(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """The coordinator's own list of restart-only keys had drifted from the daemon's (it lacked `fleet`): a
+    reload handed it a new fleet section and it took it live. Both read `RESTART_ONLY` now."""
+    running = daemon.coordinator.config
+    fleet = running.fleet.model_copy(update={"key_prefix": "other"})
+    assert daemon.coordinator.reconfigure(running.model_copy(update={"fleet": fleet})) == ["fleet"]
+    assert daemon.coordinator.config.fleet == running.fleet
+    edit(daemon, tmp_path, fleet={"key_prefix": "other"})
+    assert daemon.reload() == ["fleet.key_prefix"]
+    assert daemon.config.fleet.key_prefix == running.fleet.key_prefix
+
+
+async def test_the_daemon_owns_its_scheduler(tmp_path: Path) -> None:
+    """The retention timer runs on the daemon's scheduler: started by `start`, stopped by `aclose`."""
+    path = write(tmp_path / "config.yaml", base(tmp_path))
+    d = Daemon(
+        load_config(path, env={}),
+        backends={"local": FakeKvBackend(tmp_path / "snaps")},
+        process_finder=None,
+        watch=False,
+    )
+    assert not d.scheduler.running
+    await d.start()
+    try:
+        assert d.scheduler.running and d.scheduler.get_job("retention") is not None
+    finally:
+        await d.aclose()
+    assert not d.scheduler.running

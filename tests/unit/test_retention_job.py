@@ -12,7 +12,8 @@ from pyfakefs.fake_filesystem_unittest import Patcher
 from kvsidecar.config import RetentionConfig
 from kvsidecar.errors import MetadataIO
 from kvsidecar.metrics import Metrics
-from kvsidecar.retention.job import Disk, RetentionJob
+from kvsidecar.retention.job import RetentionJob
+from kvsidecar.retention.plan import Disk
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import SnapshotStore
 from tests.unit.test_store import FP, make_store, server_writes

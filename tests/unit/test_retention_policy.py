@@ -10,7 +10,7 @@ from typing import Any, NotRequired, TypedDict
 
 import pytest
 
-from kvsidecar.retention.job import Disk, FileInfo, Policy, plan
+from kvsidecar.retention.plan import Disk, FileInfo, Policy, plan
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "retention"
 CASES = sorted(GOLDEN.glob("*.json"))

@@ -15,10 +15,12 @@ import httpx
 import pytest
 from starlette.types import Message
 
-from kvsidecar.api.routes import PARAMS, AcquireBody, EventBody, ReleaseBody, create_app, routes
+from kvsidecar.api.bodies import AcquireBody, EventBody, ReleaseBody
+from kvsidecar.api.routes import PARAMS, create_app, routes
 from kvsidecar.daemon.service import _uvicorn
-from kvsidecar.http.listener import Limits, ListenerState
-from kvsidecar.http.router import Call, Route, Router
+from kvsidecar.http.limits import Limits, ListenerState
+from kvsidecar.http.router import Router
+from kvsidecar.http.routes import Call, Route
 from tests.unit.coordinator_helpers import Harness
 
 TOKEN = "r" * 32

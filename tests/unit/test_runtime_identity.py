@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvsidecar.coordinator.state import Outcome
-from kvsidecar.fingerprint.runtime import ProcessInfo
+from kvsidecar.fingerprint.llama_process import ProcessInfo
 from tests.unit.coordinator_helpers import Harness, start_harness
 
 

@@ -23,7 +23,8 @@ from kvsidecar.config import RetentionConfig
 from kvsidecar.coordinator.state import SessionState
 from kvsidecar.errors import SaveFailed
 from kvsidecar.metrics import Metrics
-from kvsidecar.retention.job import Disk, RetentionJob
+from kvsidecar.retention.job import RetentionJob
+from kvsidecar.retention.plan import Disk
 from kvsidecar.store import saving
 from kvsidecar.store.naming import SnapshotIdentity, parse_snapshot_name
 from kvsidecar.store.snapshots import SavePlan, SnapshotStore

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvsidecar.config import Config, config_from_mapping
-from kvsidecar.daemon.service import listen_sockets, read_token
+from kvsidecar.daemon.listen import listen_sockets, read_token
 from kvsidecar.errors import ConfigError
 from kvsidecar.testing.llama import free_port
 from tests.unit.test_store import make_store, save

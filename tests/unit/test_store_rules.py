@@ -16,7 +16,8 @@ import pytest
 from kvsidecar.config import RetentionConfig
 from kvsidecar.errors import MetadataIO
 from kvsidecar.metrics import Metrics
-from kvsidecar.retention.job import Disk, Policy, RetentionJob, free_floor_bytes
+from kvsidecar.retention.job import RetentionJob
+from kvsidecar.retention.plan import Disk, Policy, free_floor_bytes
 from kvsidecar.store import reconcile as reconcile_module
 from kvsidecar.store.reconcile import LooseFile
 from kvsidecar.store.snapshots import FILE_MISSING, SIZE_MISMATCH, SnapshotStore

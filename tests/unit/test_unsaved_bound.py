@@ -16,7 +16,7 @@ import pytest
 
 from kvsidecar.coordinator.checkpoint import PROTECT_FORCED, PROTECT_PREDICTED
 from kvsidecar.coordinator.state import Outcome, SessionRuntime
-from kvsidecar.fingerprint.runtime import ProcessInfo
+from kvsidecar.fingerprint.llama_process import ProcessInfo
 from tests.fleet_helpers import eventually
 from tests.unit.coordinator_helpers import Harness, start_harness
 

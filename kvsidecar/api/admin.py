@@ -1,0 +1,80 @@
+"""The hook API's views and maintenance: the sessions kvsidecar knows, status, Prometheus metrics, the
+doctor's checks (spec §48) and a retention run on demand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.responses import Response
+
+from kvsidecar.api import models as api_models
+from kvsidecar.api.bodies import DoctorQuery, GcQuery
+from kvsidecar.api.table import SLOT, STRICT, json_route
+from kvsidecar.coordinator.core import Coordinator
+from kvsidecar.doctor.checks import Doctor
+from kvsidecar.errors import MetadataIO, NotFound
+from kvsidecar.http.routes import Call, Route
+from kvsidecar.retention.job import RetentionJob
+
+
+def admin_routes(coordinator: Coordinator, retention: RetentionJob | None) -> list[Route]:
+    async def sessions(_: Call) -> dict[str, Any]:
+        """Every session kvsidecar knows (ids shortened)."""
+        return {"sessions": coordinator.session_views()}
+
+    async def session(call: Call) -> dict[str, Any]:
+        """One session's state, slots and snapshots."""
+        views = coordinator.session_views(call.params["session_id"])
+        if not views:
+            raise NotFound("no such session")
+        return {"session": views}
+
+    async def status(_: Call) -> dict[str, Any]:
+        """Servers, slots, breakers and counters."""
+        return coordinator.status()
+
+    async def metrics(_: Call) -> Response:
+        """Prometheus text format."""
+        return Response(coordinator.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def doctor(call: Call) -> dict[str, Any]:
+        """Spec §48 checks for every server; `deep` runs a save/erase/restore round trip on a held slot."""
+        return await _doctor(coordinator, deep=call.query_as(DoctorQuery).deep)
+
+    m = api_models
+    table = [
+        json_route("GET", "/v1/sessions", sessions, m.SessionsResponse),
+        json_route("GET", "/v1/sessions/{session_id}", session, m.SessionResponse, (NotFound,)),
+        json_route("GET", "/v1/status", status, m.StatusResponse),
+        Route(method="GET", path="/metrics", handler=metrics, media_type="text/plain"),
+        # deep: the round trip holds a slot (its owner is checkpointed first)
+        json_route("GET", "/v1/doctor", doctor, m.DoctorResponse, SLOT + STRICT, query=DoctorQuery),
+    ]
+    if retention is not None:
+
+        async def gc(call: Call) -> dict[str, Any]:
+            """Run retention now: the plan (what, why), and what was removed unless dry_run."""
+            return await retention.run(dry_run=call.query_as(GcQuery).dry_run)
+
+        table.append(json_route("POST", "/v1/gc", gc, m.GcResponse, (MetadataIO,), query=GcQuery))
+    return table
+
+
+async def _doctor(coordinator: Coordinator, *, deep: bool) -> dict[str, Any]:
+    reports = []
+    for name, srv in coordinator.servers.items():
+
+        async def hold(fn: Callable[[int], Awaitable[Any]], name: str = name) -> Any:
+            return await coordinator.with_slot(name, fn)
+
+        doc = Doctor(
+            config=coordinator.config,
+            server=name,
+            backend=srv.backend,
+            hold_slot=hold,
+            snapshot_anchor=coordinator.store.snapshot_anchor(name),  # the directory the daemon holds
+        )
+        reports.append((await doc.run(deep=deep)).to_dict())
+    return {"result": api_models.worst_verdict(r["result"] for r in reports), "servers": reports}

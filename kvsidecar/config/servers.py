@@ -1,0 +1,38 @@
+"""The `servers` section: each llama-server kvsidecar manages (`ServerConfig`), its slot `Mode`, the
+directory it saves slots into, and the timeouts and probes of every call to it."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+
+from kvsidecar.config.values import BaseUrl, PathValue, Section, home_path
+
+
+class Mode(StrEnum):
+    SINGLE_SLOT = "single-slot"
+    MANAGED_SLOTS = "managed-slots"
+
+
+class ServerConfig(Section):
+    """One llama-server and the directory it saves slots into (its --slot-save-path)."""
+
+    base_url: BaseUrl = "http://127.0.0.1:8080"
+    api_key_file: PathValue | None = None
+    snapshot_dir: PathValue = home_path("~/.local/state/kvsidecar/snapshots")
+    runtime_key: str | None = None
+    mode: Mode = Mode.SINGLE_SLOT
+    slot_id: int = Field(default=0, ge=0)
+    # managed-slots: keep the highest slot for auxiliary requests (titles, compaction), spec §72
+    reserve_aux_slot: bool = False
+    # how long an acquire waits for a free slot before KV_SLOT_BUSY (503 + Retry-After)
+    slot_wait_s: float = Field(default=300.0, gt=0)
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    request_timeout_s: float = Field(default=10.0, gt=0)
+    persist_timeout_s: float = Field(default=120.0, gt=0)
+    probe_interval_s: float = Field(default=5.0, gt=0)
+    # Prefill a fixed prompt once per server start and fingerprint the bytes of its KV: catches what no
+    # flag shows (LLAMA_ARG_* settings, a model replaced in place, a remote server's command line).
+    # Turn off only for an engine whose KV is not bit-reproducible (some GPU backends).
+    runtime_canary: bool = True

@@ -1,0 +1,144 @@
+"""Doctor's checks of the llama-server process and what it runs: recent crashes (SIGILL/SIGSEGV: a build
+this CPU cannot run), the flags that decide whether a restore is reused (`--kv-unified` with idle-slot
+caching, `--swa-full` for a sliding-window model, the RAM prompt cache), whether the loaded model can be
+proven across a restart, and whether snapshots survive a llama.cpp upgrade."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from kvsidecar.backend.base import BackendCapabilities
+from kvsidecar.buildcheck import cpu_info, isa_flags
+from kvsidecar.config import Config
+from kvsidecar.doctor.report import DoctorReport
+from kvsidecar.fingerprint.gguf_meta import GgufError, read_metadata, sliding_window
+from kvsidecar.fingerprint.llama_exit import crash_hint, unit_of
+from kvsidecar.fingerprint.llama_process import ProcessInfo
+from kvsidecar.fingerprint.model_files import model_proof
+from kvsidecar.store.state_format import KNOWN_VERSIONS as STATE_VERSIONS
+
+# Reads the signals that killed llama-server lately, and where they were read, for a systemd unit.
+CrashReader = Callable[[str | None], tuple[list[str], str]]
+
+
+def crash_check(report: DoctorReport, process: ProcessInfo | None, crash_reader: CrashReader) -> None:
+    """Has llama-server been dying with SIGILL/SIGSEGV (a build this CPU cannot run, issue 25)? Read from
+    the unit's journal (the running process's unit, else `llama-server.service`) or the kernel log."""
+    unit = (unit_of(process.pid) if process is not None else None) or "llama-server.service"
+    signals, source = crash_reader(unit)
+    if not signals:
+        return
+    counts = ", ".join(f"{sig} x{signals.count(sig)}" for sig in dict.fromkeys(signals))
+    model, flags = cpu_info()
+    isa = " ".join(f for f in isa_flags(flags) if f.startswith(("avx512", "amx", "avx2", "avx_vnni")))
+    report.add(
+        "llama-server crashes",
+        "FAIL" if len(signals) >= 2 or process is None else "WARN",
+        f"llama-server was killed lately: {counts} [{source}]; CPU {model or '?'} ({isa or 'no AVX2'})",
+        crash_hint(signals[-1]) + "; check a binary with `python -m kvsidecar.buildcheck smoke BINARY MODEL`",
+    )
+
+
+def _model_identity(report: DoctorReport, caps: BackendCapabilities, process: ProcessInfo | None) -> None:
+    """Can a snapshot saved now be restored after llama-server restarts (issue 26 A)?"""
+    proof = model_proof(caps, process)
+    if proof is not None:
+        report.add("model identity", "WARN", f"{proof.code}: {proof.why}", proof.fix)
+    elif process is not None:
+        report.add("model identity", "OK", "the loaded model is proven by what llama-server maps")
+
+
+def process_checks(
+    report: DoctorReport, caps: BackendCapabilities, process: ProcessInfo | None, server: str
+) -> None:
+    """The llama-server process of `server` (its name in the config) and the flags it runs with."""
+    if process is None:
+        _model_identity(report, caps, None)
+        report.add(
+            "llama-server process",
+            "WARN",
+            "not found on this host: its flags cannot be checked",
+            f"if the server is remote, set servers.{server}.runtime_key and bump it on every change",
+        )
+        return
+    flags = process.flags
+    report.add(
+        "llama-server process",
+        "OK",
+        f"pid {process.pid}; cache k/v {flags.get('cache_type_k', 'f16')}/"
+        f"{flags.get('cache_type_v', 'f16')}, flash-attn {flags.get('flash_attn', 'auto')}, "
+        f"kv-unified {flags.get('kv_unified', 'off')} (all part of the snapshot fingerprint)",
+    )
+    _model_identity(report, caps, process)
+    _swa(report, caps, flags)
+    if flags.get("kv_unified") == "on" and flags.get("no_cache_idle_slots") != "on":
+        report.add(
+            "idle slot cache",
+            "WARN",
+            "--kv-unified with idle-slot caching clears a just-restored slot when another task starts",
+            "add --no-cache-idle-slots",
+        )
+    cache_ram = flags.get("cache_ram", "8192")
+    report.add(
+        "RAM prompt cache",
+        "OK",
+        f"--cache-ram {cache_ram} MiB: recent switches may be served from RAM; "
+        "kvsidecar covers restarts, eviction and the disk quota"
+        if cache_ram != "0"
+        else "--cache-ram 0: every warm start comes from kvsidecar's snapshots",
+    )
+
+
+def _swa(report: DoctorReport, caps: BackendCapabilities, flags: dict[str, str]) -> None:
+    try:
+        window = sliding_window(read_metadata(Path(caps.model_path or "")))
+    except (OSError, GgufError) as exc:
+        report.add("sliding-window attention", "SKIP", f"cannot read the model's metadata ({exc})")
+        return
+    if window is None:
+        report.add("sliding-window attention", "OK", "the model has no sliding-window layers")
+    elif flags.get("swa_full") == "on":
+        report.add("sliding-window attention", "OK", f"SWA model (window {window}) with --swa-full")
+    else:
+        report.add(
+            "sliding-window attention",
+            "WARN",
+            f"SWA model (window {window}) without --swa-full: a restore "
+            "answers 200 and the engine then recomputes everything",
+            "add --swa-full to llama-server",
+        )
+
+
+def upgrade_check(report: DoctorReport, config: Config, server: str, version: int | None) -> None:
+    """Will this server's snapshots survive a llama.cpp upgrade (issue 29)? Which state format it writes
+    (`version`, from the save probe's file), and whether snapshots of another build are carried over when
+    proven equivalent."""
+    if not config.restore.carry_over_builds:
+        report.add(
+            "llama.cpp upgrades",
+            "WARN",
+            "restore.carry_over_builds is off: after an upgrade every snapshot costs a cold prefill",
+            "set restore.carry_over_builds: true",
+        )
+    elif version is None or version not in STATE_VERSIONS:
+        report.add(
+            "llama.cpp upgrades",
+            "WARN",
+            f"this build writes state format {'unknown' if version is None else f'v{version}'}, which "
+            "kvsidecar cannot parse: after an upgrade its snapshots are cold starts",
+            "use a llama.cpp build whose state format kvsidecar knows (v3, v4)",
+        )
+    else:
+        canary = config.servers[server].runtime_canary
+        carried = (
+            "a snapshot of another build is carried over on its session's next acquire when only the "
+            "build differs and the new build recomputes its first rows bit-identically"
+        )
+        report.add(
+            "llama.cpp upgrades",
+            "OK" if canary else "WARN",
+            f"state format v{version}; "
+            + (carried if canary else "with runtime_canary off no snapshot is carried over an upgrade"),
+            "" if canary else f"set servers.{server}.runtime_canary: true",
+        )

@@ -1,0 +1,41 @@
+"""What `doctor` answers: a `DoctorReport` of named checks, each OK / WARN / FAIL / SKIP with a one-line
+fix, and its verdict, `result`: READY, DEGRADED (works, but something costs speed or safety) or NOT READY
+(a check failed)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Status = Literal["OK", "WARN", "FAIL", "SKIP"]
+
+
+@dataclass(kw_only=True)
+class Check:
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+@dataclass(kw_only=True)
+class DoctorReport:
+    server: str
+    endpoint: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def result(self) -> str:
+        statuses = {c.status for c in self.checks}
+        return "NOT READY" if "FAIL" in statuses else "DEGRADED" if "WARN" in statuses else "READY"
+
+    def add(self, name: str, status: Status, detail: str, fix: str = "") -> None:
+        self.checks.append(Check(name=name, status=status, detail=detail, fix=fix))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "server": self.server,
+            "endpoint": self.endpoint,
+            "result": self.result,
+            "checks": [asdict(c) for c in self.checks],
+        }

@@ -1,0 +1,203 @@
+"""Which session a proxied request belongs to (issue 28, docs/CLIENTS.md), and what its turns did.
+
+A slot-running request is read once into a `SlotCall`: the session id from the configured header, else the
+configured body field (both checked strictly: a bad one is a 400), else a client's built-in id
+(`kvsidecar.proxy.client_ids`); its auxiliary markers; its normalized messages and credential scope. Then
+`resolve` says which conversation it continues (`kvsidecar.proxy.conversations`: digests only, per
+credential, bounded), names one by content when the client sent no id, or runs it beside the session as
+auxiliary. After a successful turn the conversation table learns the request, and a turn that reused far
+fewer tokens than its session's KV held, or whose messages diverged, is recorded for status.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+from starlette.types import Scope
+
+from kvsidecar.backend.llama_http import RouteKind, check_one_completion, json_object
+from kvsidecar.config import ProxyConfig
+from kvsidecar.coordinator.core import Coordinator
+from kvsidecar.coordinator.state import AcquireResult
+from kvsidecar.errors import BadRequest, KvError
+from kvsidecar.logs import event
+from kvsidecar.proxy.answers import PROMPT_DIVERGED, SIGNAL_AUX_DIVERGED, SIGNAL_NONE
+from kvsidecar.proxy.anthropic import chat_request_bytes
+from kvsidecar.proxy.anthropic_errors import INVALID_FIELD, ConversionError
+from kvsidecar.proxy.client_content import SIGNAL as CONTENT_SIGNAL
+from kvsidecar.proxy.client_content import Normalized, divergence_index, extends, normalize
+from kvsidecar.proxy.client_ids import CONFIGURED, SIG_SESSION_HEADER, asgi_headers, recognize
+from kvsidecar.proxy.conversations import ConversationTable, credential_of
+from kvsidecar.proxy.forward import Release
+from kvsidecar.store.naming import short_id, validate_session_id
+
+log = logging.getLogger("kvsidecar.proxy")
+DIVERGENCES_KEPT = 32  # low-reuse turns status shows (the latest)
+ANY_MODEL = "default"  # the model label of a session when the `model` string is not part of its identity
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlotCall:
+    """One request to a slot-running route, read and checked."""
+
+    path: str
+    route: RouteKind
+    session: str | None
+    data: dict[str, Any] | None  # the body as a JSON object, when it is one (always for PINNED)
+    body: bytes
+    # issue 28 (docs/CLIENTS.md): what named the session (a fixed signal name, never client text), the
+    # auxiliary markers, the normalized messages, the credential scope (a digest)
+    signal: str | None = None
+    markers: frozenset[str] = frozenset()
+    norm: Normalized | None = None
+    credential: str = ""
+    new: bool = False  # a session the conversation table has not seen: it may start from a donor's KV
+    diverged: int | None = None  # the message index where it stopped extending its session's last request
+
+
+class ProxySessions:
+    """The proxy's sessions: the conversation table and the latest low-reuse turns."""
+
+    def __init__(self, coordinator: Coordinator, cfg: ProxyConfig) -> None:
+        self.coordinator = coordinator
+        self.cfg = cfg
+        self.session_header = cfg.session_header.lower().encode()
+        self.model_in_identity = cfg.identity == "session+model"
+        self.conversations = ConversationTable()  # issue 28: digests only, per credential, bounded
+        self.divergences: list[dict[str, Any]] = []  # the latest low-reuse turns, for status (short ids)
+
+    def read(
+        self, scope: Scope, headers: dict[bytes, bytes], path: str, kind: RouteKind, body: bytes
+    ) -> SlotCall:
+        """The session id and the body of a slot-running request: the configured header, else the configured
+        body field (both checked strictly: a bad one is a 400), else a client's built-in id
+        (`kvsidecar.proxy.client_ids`, in its documented order); the auxiliary markers; the normalized
+        messages."""
+        raw = headers.get(self.session_header)
+        if raw is not None and sum(k == self.session_header for k, _ in scope["headers"]) > 1:
+            raise BadRequest(f"more than one {self.cfg.session_header} header")
+        session = raw.decode("latin-1") if raw is not None else None
+        signal = None
+        if session is not None:
+            signal = SIG_SESSION_HEADER if self.session_header == b"x-session-id" else CONFIGURED
+        data = json_object(body)
+        if kind is RouteKind.PINNED:
+            if data is None:
+                raise BadRequest(f"{path} needs a JSON object body (the proxy pins it to a slot)")
+            check_one_completion(data)
+        if kind is RouteKind.CONVERTED:
+            if data is None:
+                raise ConversionError(INVALID_FIELD, "body: a JSON object", param="body")
+            chat_request_bytes(data)  # raises ConversionError: refused before any slot is acquired
+        if session is None and self.cfg.session_field and data is not None:
+            field = data.get(self.cfg.session_field)
+            session = field if isinstance(field, str) and field else None
+            signal = CONFIGURED if session is not None else None
+        if session is not None:
+            validate_session_id(session)
+        rec = recognize(path, asgi_headers(scope["headers"]), data)  # never raises
+        if session is None and rec.session_id is not None:
+            try:
+                validate_session_id(rec.session_id)
+                session, signal = rec.session_id, rec.signal
+            except KvError:  # a client's id we cannot use: as if it sent none
+                pass
+        return SlotCall(
+            path=path,
+            route=kind,
+            session=session,
+            data=data,
+            body=body,
+            signal=signal,
+            markers=rec.markers,
+            norm=normalize(path, data) if data is not None else None,
+            credential=credential_of(headers),
+        )
+
+    def resolve(self, call: SlotCall) -> SlotCall:
+        """Issue 28: which conversation a request continues, or that it runs beside it (auxiliary)."""
+        if call.markers:  # a title request: never a turn of the conversation, whatever id it carries
+            return replace(call, session=None, signal=min(call.markers))
+        if call.session is None:
+            if not self.cfg.content_identity or call.norm is None:
+                return replace(call, signal=SIGNAL_NONE)
+            sid, continued = self.conversations.identify(call.credential, call.norm)
+            return replace(call, session=sid, signal=CONTENT_SIGNAL, new=not continued)
+        entry = self.conversations.get(call.credential, call.session)
+        if entry is None:
+            return replace(call, new=True)
+        if call.norm is None or extends(call.norm, entry.known) is not None:
+            return call
+        index = divergence_index(call.norm, entry.known)
+        if index is None:
+            return call
+        dropped_tools = entry.tools and not (call.norm.roles and call.norm.roles[0] == "tools")
+        if dropped_tools or 2 * len(call.norm.digests) < len(entry.known.digests):
+            # a side request under the conversation's id (a title, a summary): its KV stays the session's
+            return replace(call, session=None, signal=SIGNAL_AUX_DIVERGED)
+        if index >= len(entry.known.digests) - 1:
+            # its last message changed: grown in place (a prompt that is extended within one message) or
+            # rewritten, digests cannot say which; llama-server's reuse says it after the answer
+            return call
+        return replace(call, diverged=index)
+
+    def model_label(self, call: SlotCall) -> str:
+        """The model part of a session's identity (a label: the runtime's fingerprint guards restores)."""
+        if not self.model_in_identity or call.session is None or call.data is None:
+            return ANY_MODEL
+        model = call.data.get("model")
+        return model if isinstance(model, str) and model else ANY_MODEL
+
+    def donor(self, call: SlotCall) -> str | None:
+        """Issue 28: the conversation of the same credential and model whose KV a new session may start
+        from (the most leading messages in common); the coordinator uses it only for a cold start."""
+        if call.session is None or not call.new or call.norm is None:
+            return None
+        if not self.coordinator.config.restore.share_prefix:
+            return None
+        found = self.conversations.donor(
+            call.credential, call.norm, model=self.model_label(call), exclude=call.session
+        )
+        return found[0] if found is not None else None
+
+    def after_turn(self, call: SlotCall, lease: AcquireResult, release: Release) -> None:
+        """A successful turn: its request is the conversation's latest now; a turn that reused far fewer
+        tokens than its session's KV held, or whose messages diverged, is recorded (item 5)."""
+        assert call.session is not None
+        if call.norm is not None:
+            self.conversations.record(call.credential, call.session, self.model_label(call), call.norm)
+        prompt_n, cache_n = release.counts
+        held = (release.result or {}).get("held_tokens")
+        low = (
+            isinstance(held, int)
+            and held > 0
+            and prompt_n is not None
+            and cache_n is not None
+            and cache_n < self.coordinator.config.restore.min_reuse_ratio * min(held, prompt_n + cache_n)
+        )
+        if not low and call.diverged is None:
+            return
+        record = {
+            "session": short_id(call.session),
+            "signal": call.signal,
+            "outcome": lease.outcome.value,
+            "reason": PROMPT_DIVERGED,
+            "message_index": call.diverged,
+            "token_offset": cache_n if low else None,  # llama-server reused exactly this common prefix
+            "held_tokens": held,
+            "prompt_tokens": None if prompt_n is None or cache_n is None else prompt_n + cache_n,
+        }
+        self.divergences = [*self.divergences[-(DIVERGENCES_KEPT - 1) :], record]
+        when = "reuse" if low else "request"
+        self.coordinator.metrics.prompt_diverged.labels(call.signal or SIGNAL_NONE, when).inc()
+        event(log, logging.INFO, "kv.proxy.prompt_diverged", when=when, **record)
+
+    def view(self) -> dict[str, Any]:
+        """The proxy's part of status: the conversation table's size and the latest divergences."""
+        return {
+            "content_identity": self.cfg.content_identity,
+            "conversations": len(self.conversations),
+            "divergences": list(self.divergences),
+        }
