@@ -51,6 +51,7 @@ from common import write
 from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import LlamaServer, llama_server_binary, vocab_dir
 from kvsidecar.testing.models import LLAMA3_8B_GEOMETRY, chat_template, generate_llama_model
+from kvsidecar.testing.poll import eventually
 from tests.integration.test_agent_clients_real import _DROP, SEQUENCES, TEMPLATE, body_of
 from tests.unit.client_fixtures import Recorded, load
 
@@ -214,10 +215,12 @@ class Ways:
 
     def wait_saved(self, saves: int, timeout_s: float = 60) -> float:
         t0 = time.monotonic()
-        while self.stats()["saves"] <= saves and time.monotonic() - t0 < timeout_s:
-            time.sleep(0.1)
-        if self.stats()["saves"] <= saves:
-            raise RuntimeError("kvsidecar's idle checkpoint did not save the session")
+        eventually(
+            lambda: self.stats()["saves"] > saves,
+            timeout_s=timeout_s,
+            interval_s=0.1,
+            what="kvsidecar's idle checkpoint to save the session",
+        )
         return time.monotonic() - t0
 
     def restart_all(self) -> None:

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import summary, write
 
 from kvsidecar.fingerprint.file_digests import FileDigestCache, file_digest
+from kvsidecar.testing.poll import eventually
 
 _CHUNK = 64 << 20
 
@@ -89,8 +90,12 @@ def bench_throughput(path: Path, runs: int) -> dict[str, Any]:
 
 
 def bench_cached(path: Path, state: Path, calls: int) -> dict[str, Any]:
-    while time.time_ns() - path.stat().st_ctime_ns < 2_500_000_000:  # out of the 2 s "just changed" window
-        time.sleep(0.1)
+    eventually(  # out of the 2 s "just changed" window
+        lambda: time.time_ns() - path.stat().st_ctime_ns >= 2_500_000_000,
+        timeout_s=10.0,
+        interval_s=0.1,
+        what="the file to be older than the just-changed window",
+    )
     cache = FileDigestCache(state / "digests.json")
     started = time.perf_counter()
     first = cache.digest(path)

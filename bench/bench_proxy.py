@@ -42,19 +42,19 @@ from kvsidecar.proxy.upstream import Upstream
 from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import LlamaServer, free_port, llama_server_binary, vocab_dir, words
 from kvsidecar.testing.models import TINY, ModelShape, gemma3_270m, generate_llama_model
+from kvsidecar.testing.poll import eventually
 
 TOKEN = "bench-proxy-token-0123456789"
 
 
 def wait_http(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def up() -> bool:
         try:
-            if httpx.get(url, timeout=1).status_code < 500:
-                return
+            return httpx.get(url, timeout=1).status_code < 500
         except httpx.HTTPError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{url} did not come up")
+            return False
+
+    eventually(up, timeout_s=timeout_s, what=f"{url} to come up")
 
 
 def start_kvsidecar(work: Path, llama: LlamaServer) -> tuple[DaemonProcess, str]:

@@ -1,4 +1,4 @@
-"""A real redis-server per test (scripts/bootstrap installs Debian's redis-server), and polling helpers.
+"""A real redis-server per test (scripts/bootstrap installs Debian's redis-server), and a socket to serve on.
 
 `RedisServer` runs `redis-server` on a free loopback port with no persistence (`--save '' --appendonly
 no`): `stop()` then `start()` on the same port is a Redis that lost every key, as after a crash.
@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import shutil
 import socket
 import subprocess
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvsidecar.testing.llama import free_port
+from kvsidecar.testing.poll import eventually, until
 
 START_TIMEOUT_S = 20.0
 
@@ -66,14 +65,14 @@ class RedisServer:
         log = (self.workdir / "redis.log").open("ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not _answers_ping(self.port, self.password):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: see {self.workdir}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not answer within {START_TIMEOUT_S}s")
-            time.sleep(0.02)
+        eventually(self._answers, timeout_s=START_TIMEOUT_S, interval_s=0.02, what="redis-server to answer")
         return self
+
+    def _answers(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {self.proc.returncode}: see {self.workdir}")
+        return _answers_ping(self.port, self.password)
 
     def stop(self) -> None:
         """Kill it (SIGKILL: no shutdown save, no goodbye to clients), as a crash would."""
@@ -81,23 +80,6 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self.proc = None
-
-
-async def eventually(
-    check: Callable[[], object], *, timeout_s: float = 10.0, what: str = "the condition"
-) -> Any:
-    """Poll `check` until it returns a truthy value (returned), failing after `timeout_s`. No fixed
-    sleeps: each poll yields to the loop for a moment, and the deadline only bounds a broken run."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if inspect.isawaitable(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 class BoundSocket:
@@ -117,7 +99,7 @@ class BoundSocket:
         server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
         serving = asyncio.ensure_future(server.serve(sockets=[self.sock]))
         try:
-            await eventually(lambda: server.started, what=what)
+            await until(lambda: server.started, what=what)
             yield
         finally:
             server.should_exit = True

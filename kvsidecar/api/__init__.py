@@ -1,0 +1,1 @@
+"""The hook API: its routes (hooks, sessions, admin), their bodies and the models of its answers."""

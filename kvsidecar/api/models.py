@@ -2,7 +2,7 @@
 
 The handlers return plain dicts (the wire format of docs/PRODUCT.md); these models describe them, field for
 field, and are never used to build or validate an answer, so the hot path (acquire, release) pays nothing
-for them. tests/unit/test_openapi_contract.py checks that what the server answers matches them.
+for them. tests/unit/http/test_openapi.py checks that what the server answers matches them.
 
 A field that is always present but may be null is `X | None` with no default (required, nullable); a field
 that is present only sometimes is `Absent[X]` (optional, never null).

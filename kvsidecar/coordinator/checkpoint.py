@@ -388,10 +388,17 @@ class CheckpointPolicy:
             coming=coming,
         )
 
-    def policy_changed(self) -> None:
-        """SIGHUP changed the policy: pending clean-ahead checks belong to the old one."""
-        for rt in self.sessions.by_key.values():
-            rt.cancel_clean_ahead()
+    def reconfigure(self, config: Config) -> None:
+        """SIGHUP: the live configuration. A new policy: pending clean-ahead checks belong to the old one."""
+        policy_changed = config.checkpoint.policy != self.config.checkpoint.policy
+        self.config = config
+        if policy_changed:
+            for rt in self.sessions.by_key.values():
+                rt.cancel_clean_ahead()
+
+    def start(self) -> None:
+        """From here on timers are armed and background saves may start (the coordinator started)."""
+        self.active = True
 
     def close(self) -> None:
         self.active = False

@@ -118,8 +118,11 @@ class Coordinator:
         self._compose_persistence(gate=gate, after_save=after_save, acquire_timeout_s=acquire_timeout_s)
         self._compose_requests(acquire_timeout_s)
         self.pending_restart: list[str] = pending_restart if pending_restart is not None else []
-        self.fleet_view: Callable[[], dict[str, Any]] | None = fleet_view  # fleet mode's part of status()
-        self.proxy_view: Callable[[], dict[str, Any]] | None = None  # the proxy's part (issue 28)
+        # the parts of status() other packages own: fleet mode's (given here), the proxy's (issue 28; the
+        # proxy, built on this coordinator, adds it)
+        self.sections = views.StatusSections()
+        if fleet_view is not None:
+            self.sections.add("fleet", fleet_view)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
 
@@ -218,7 +221,7 @@ class Coordinator:
 
     # lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.checkpoints.active = True
+        self.checkpoints.start()
         for srv in self.servers.values():
             shared = SHARED_TEMP_AGE_S if self.config.fleet.enabled else 0.0  # another host's may be fresh
             held = self.store.snapshot_anchor(srv.name) or srv.config.snapshot_dir  # never through its path
@@ -237,7 +240,7 @@ class Coordinator:
                 await asyncio.wait_for(
                     self.checkpoints.checkpoint_all("shutdown"), self.config.checkpoint.shutdown_timeout_s
                 )
-        self.pool.closing = True
+        self.pool.close()
         for srv in self.servers.values():
             self.pool.wake_all(srv)  # requests still waiting for a slot answer KV_SHUTTING_DOWN
         self.restorer.close()
@@ -387,11 +390,8 @@ class Coordinator:
         needs_restart = [k for k in RESTART_ONLY if getattr(config, k) != getattr(self.config, k)]
         live = config.model_copy(update={k: getattr(self.config, k) for k in needs_restart})
         self.config = live
-        policy_changed = live.checkpoint.policy != self.checkpoints.config.checkpoint.policy
         for part in (self.restorer, self.saver, self.checkpoints):
-            part.config = live
-        if policy_changed:
-            self.checkpoints.policy_changed()
+            part.reconfigure(live)
         for srv in self.servers.values():
             srv.breaker.configure(
                 max_consecutive_failures=live.failure.max_consecutive_failures,
@@ -423,8 +423,5 @@ class Coordinator:
             restarts=self.guard.epoch,
             now=self.monotonic(),
         )
-        if self.fleet_view is not None:
-            out["fleet"] = self.fleet_view()
-        if self.proxy_view is not None:
-            out["proxy"] = self.proxy_view()
+        out.update(self.sections.render())
         return out

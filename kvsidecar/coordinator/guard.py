@@ -136,8 +136,8 @@ class PersistGuard:
         rule = _RULES[kind]
         trial, allowed = False, True
         if rule.gated:
-            trial = ready and srv.breaker.state is BreakerState.HALF_OPEN
-            allowed = ready and srv.breaker.allow()
+            granted = srv.breaker.admit() if ready else None
+            allowed, trial = granted is not None, granted is True
         op = Persisting(srv, rule, self.telemetry, allowed=allowed, trial=trial)
         try:
             yield op
@@ -147,7 +147,7 @@ class PersistGuard:
         else:
             op.succeeded()
         finally:
-            if trial and allowed:  # this operation held the half-open trial: it ends here
+            if trial:  # this operation held the half-open trial: it ends here
                 srv.breaker.end_trial()
 
     @staticmethod

@@ -6,8 +6,8 @@ in the shared store; its answer says whether this host may write the key now, an
 holds of the key (a slot's KV, the manifest it read) may be out of date because another host owned the
 key since. A stale copy is forgotten here, before anything is read or written: the slot no longer counts
 as the session's, the session's unsaved revision is given up (another host has newer state), and the
-manifest is read again from the shared directory. The coordinator never imports redis; the fleet
-package installs its gate.
+manifest is read again from the shared directory. The coordinator never imports redis: the daemon passes
+the fleet agent's gate to the coordinator at construction (`gate=`).
 """
 
 from __future__ import annotations

@@ -141,6 +141,10 @@ class SlotPool:
         if self.on_given_back is not None and not quiet:
             self.on_given_back(srv)
 
+    def close(self) -> None:
+        """Shutdown: no slot is taken from here on (`take` answers KV_SHUTTING_DOWN)."""
+        self.closing = True
+
     def wake_all(self, srv: ServerRuntime) -> None:
         """Shutdown: every waiter gives up now (they answer KV_SHUTTING_DOWN)."""
         for _key, _holder, waiter in list(self._queue(srv)):

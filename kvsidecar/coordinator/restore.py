@@ -99,6 +99,11 @@ class Restorer:
             self._reader, partial(self.store.preread, rt.identity, srv.fingerprint.digest, stop=stop)
         )
 
+    def reconfigure(self, config: Config) -> None:
+        """SIGHUP: the live configuration, here and in the carry-over it built."""
+        self.config = config
+        self.carry.reconfigure(config)
+
     def close(self) -> None:
         """Shutdown: a read ahead under way stops at its next step; queued ones never start."""
         self._closed = True

@@ -64,14 +64,16 @@ class RuntimeGuard:
         )
 
     async def refresh(
-        self, srv: ServerRuntime, *, slot: Slot | None = None, force: bool = False
+        self, srv: ServerRuntime, *, slot: Slot | None = None, force: bool = False, bracket: bool = False
     ) -> RefreshResult:
         """Re-probe (and, when needed, re-fingerprint) a server; one refresh per server at a time, so an
         acquire that needs a fingerprint waits for the one being built (a whole-file model hash).
 
         `slot`: a slot the caller holds and whose content is forfeit, on which the canary may run. A
         caller with a slot needs the server now: one in sleep mode is woken and fingerprinted after its
-        model is loaded again; the probe loop (no slot) never wakes it (issue 26 A).
+        model is loaded again; the probe loop (no slot) never wakes it (issue 26 A). `bracket`: a step of
+        a save's or a restore's bracket, not an idle moment: the canary's slot goes back quietly (no
+        clean-ahead or protect save is started from inside another persistence operation).
         """
         async with srv.refresh_lock:
             before = srv.process
@@ -80,7 +82,7 @@ class RuntimeGuard:
             if result.restarted:
                 self.forget_residency(srv, result.reason or "restart")
             if srv.needs_canary:
-                await self._canary(srv, slot)
+                await self._canary(srv, slot, quiet=bracket)
         if not result.available and srv.caps is None:
             self.telemetry.server_unavailable(srv.name, srv.last_error)
         return result
@@ -96,11 +98,11 @@ class RuntimeGuard:
             if same is None and forfeit and slot is not None and slot.id != srv.canary_slot_id:
                 # Nothing tells instances apart and the canary can only be re-measured on the reference
                 # slot: this restore cannot be proven, so it does not happen (the fingerprint stays).
-                await self.refresh(srv)
+                await self.refresh(srv, bracket=True)
                 return False
-            await self.refresh(srv, slot=slot, force=same is None and forfeit)
+            await self.refresh(srv, slot=slot, force=same is None and forfeit, bracket=True)
         else:
-            await self.refresh(srv, slot=slot)
+            await self.refresh(srv, slot=slot, bracket=True)
         return srv.available and srv.fingerprint is not None
 
     def forget_residency(self, srv: ServerRuntime, reason: str) -> None:
@@ -116,7 +118,7 @@ class RuntimeGuard:
             self.sessions.apply(rt, SessionEvent.LOST)
         self.pool.forget_content(slot)
 
-    async def _canary(self, srv: ServerRuntime, slot: Slot | None) -> None:
+    async def _canary(self, srv: ServerRuntime, slot: Slot | None, *, quiet: bool) -> None:
         """Measure the canary on the reference slot: on `slot` when it is that slot and its content is
         forfeit, else on it when it is free (its owner, which without a fingerprint could never be saved
         or trusted, gives it up); else it stays pending: the probe loop and the next acquire try again,
@@ -145,5 +147,5 @@ class RuntimeGuard:
             self.telemetry.canary_failed(srv.name, exc)
         finally:
             self.pool.erased(ref)
-            if own:  # a step of the refresh, maybe inside a save's or a restore's bracket: no idle moment
-                self.pool.give_back(srv, ref, quiet=True)
+            if own:  # inside a save's or a restore's bracket this is no idle moment: given back quietly
+                self.pool.give_back(srv, ref, quiet=quiet)

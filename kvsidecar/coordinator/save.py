@@ -78,6 +78,10 @@ class Saver:
         # its retention limits then (a full disk is a reason to run retention now).
         self.after_save = after_save
 
+    def reconfigure(self, config: Config) -> None:
+        """SIGHUP: the live configuration."""
+        self.config = config
+
     async def save(
         self,
         srv: ServerRuntime,

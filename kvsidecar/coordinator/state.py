@@ -76,7 +76,7 @@ class SessionRuntime:
     protect_tried: int = 0  # the revision a background save last tried (one attempt per revision)
     # Issue 28: the credential scope its requests came in (the proxy's digest of the client's key; `hook`
     # for the hook API; None: not seen since the daemon started): another session's KV is shared with it
-    # only within one scope (restore.py).
+    # only within one scope (coldstart.py).
     scope: str | None = None
 
     @property

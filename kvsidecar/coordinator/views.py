@@ -18,6 +18,26 @@ from kvsidecar.store.manifest import Manifest
 from kvsidecar.store.snapshots import SnapshotStore
 
 
+class StatusSections:
+    """The parts of `status()` that other packages own (fleet mode's, the proxy's): each is handed the
+    coordinator at construction and adds its own section once, here; the coordinator only renders them,
+    in the order they were added."""
+
+    def __init__(self) -> None:
+        self._views: dict[str, Callable[[], dict[str, Any]]] = {}
+
+    def add(self, name: str, view: Callable[[], dict[str, Any]]) -> None:
+        if name in self._views:
+            raise ValueError(f"status section {name!r} is already there")
+        self._views[name] = view
+
+    def get(self, name: str) -> Callable[[], dict[str, Any]] | None:
+        return self._views.get(name)
+
+    def render(self) -> dict[str, Any]:
+        return {name: view() for name, view in self._views.items()}
+
+
 def session_view(
     m: Manifest | None,
     rt: SessionRuntime | None,

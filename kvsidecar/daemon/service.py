@@ -237,7 +237,7 @@ class Daemon:
         self.retention.reconfigure(live.retention)
         if live.retention.interval_s != running.retention.interval_s:
             self.scheduler.reschedule_job("retention", trigger="interval", seconds=live.retention.interval_s)
-        self.store.verify_checksum = live.restore.verify_checksum  # the store's one live setting
+        self.store.reconfigure(verify_checksum=live.restore.verify_checksum)  # the store's one live setting
         reconfigure(live.logging.level, live.logging.format)
 
     def _check_save_paths(self) -> list[SetupWarning]:
@@ -272,7 +272,7 @@ class Daemon:
                 self._reload_task.cancel()
             if self.watcher is not None:
                 self.watcher.stop()
-            if self.scheduler.running:  # no retention pass starts from here on
+            if self.scheduler.running:  # no timed retention pass starts from here on (one after a save may)
                 self.scheduler.shutdown(wait=False)
                 await asyncio.sleep(0)  # AsyncIOScheduler finishes its shutdown in a loop callback
             if self.fleet_router is not None:

@@ -157,7 +157,7 @@ class Proxy:
         self.peers = PeerProxies(
             coordinator, self.cfg, session_header=self.sessions.session_header, fleet=lambda: self.fleet()
         )
-        coordinator.proxy_view = self.view
+        coordinator.sections.add("proxy", self.view)
 
     async def aclose(self) -> None:
         await self.peers.aclose()

@@ -1,1 +1,1 @@
-"""Snapshot identity, fingerprints, manifests and the store that decides what is safe to restore."""
+"""Snapshot identity, manifests, the files on disk and the store that decides what is safe to restore."""

@@ -4,7 +4,7 @@ At start (`reconcile`), and for one file on each watcher event (`recheck_file`),
 file is missing, resized or not a plain regular file of ours is marked invalid (cheap: lstat only; the
 full checks run before a restore). Nothing here deletes a snapshot that a manifest references.
 
-Loose files are files of ours by name that nobody claims (`ManifestTable.claimed`, the one orphan rule):
+Loose files are files of ours by name that nobody claims (`ManifestTable.unclaimed`, the one orphan rule):
 orphan snapshot files (a crash between dropping a record and deleting its file leaves one) and temp
 files a crashed metadata write left. `loose_files` lists them for reconcile's report and for retention,
 which alone deletes them (`delete_loose`, re-checked against the rule at the moment of deletion).

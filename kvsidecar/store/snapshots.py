@@ -9,7 +9,8 @@ The parts, each in its own module:
 - `reconcile.Reconciler`        manifests against files at start and per watcher event; loose files
 - `saving.SavePlanner`          the A/B plan of a save and its commit after verifying the file
 - `candidates.CandidateFinder`  which generation may be restored, and why the others may not
-- `fingerprint_records`         the components of each fingerprint saved under (for mismatch reasons)
+- `FingerprintRecords`          the components of each fingerprint saved under, for mismatch reasons
+                                (kvsidecar.fingerprint.records)
 
 It reads (never writes) the `.bin` files llama-server saves into each server's snapshot directory.
 Nothing deletes a file except `purge()`, `delete_generation()`, `delete_loose()` (retention, operators)
@@ -118,6 +119,10 @@ class SnapshotStore:
             verify_checksum=config.restore.verify_checksum,
             shared_dir=config.fleet.metadata_dir(),
         )
+
+    def reconfigure(self, *, verify_checksum: bool) -> None:
+        """SIGHUP: `restore.verify_checksum`, the store's one live setting."""
+        self.verify_checksum = verify_checksum
 
     # lifecycle ---------------------------------------------------------------------------------------
     def open(self) -> ReconcileReport:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -14,6 +14,7 @@ import httpx
 import yaml
 
 from kvsidecar.testing.llama import free_port
+from kvsidecar.testing.poll import eventually
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -76,17 +77,20 @@ class DaemonProcess:
             stdout=self._log,
             stderr=self._log,
         )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"kvsidecar did not start:\n{self.log()[-2000:]}")
+        try:
+            eventually(self._answers, timeout_s=timeout_s, what="kvsidecar to answer /healthz")
+        except AssertionError:  # it exited, or never answered
+            self.stop()
+            raise RuntimeError(f"kvsidecar did not start:\n{self.log()[-2000:]}") from None
+        return self
+
+    def _answers(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError("kvsidecar exited")
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
+        return False
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -11,12 +11,11 @@ from __future__ import annotations
 import contextlib
 import secrets
 import signal
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import yaml
@@ -24,6 +23,7 @@ import yaml
 from kvsidecar.testing.daemon import DaemonProcess, _merge
 from kvsidecar.testing.llama import LlamaServer, Timings
 from kvsidecar.testing.llama import complete as llama_complete
+from kvsidecar.testing.poll import eventually
 
 HOP_HEADER = "X-KV-Fleet-Hop"
 # The hop count of a call a peer insists on (kvsidecar.fleet.routing.MAX_HOPS): served where it lands, never
@@ -32,7 +32,6 @@ SERVE_HERE = "2"
 PROVIDER, MODEL = "local", "tiny"
 # Short enough for tests: a dead or paused host drops out within 2 s.
 TEST_FLEET: dict[str, Any] = {"heartbeat_s": 0.5, "host_ttl_s": 2.0, "owner_lease_ttl_s": 5.0}
-T = TypeVar("T")
 
 
 @dataclass
@@ -189,18 +188,6 @@ def _parallel(calls: Sequence[Callable[[], object]], *, suppress: bool = False) 
     errors = [e for e in (f.exception() for f in futures) if e is not None]
     if errors and not suppress:
         raise errors[0]
-
-
-def eventually(check: Callable[[], T | None], *, timeout_s: float = 20.0, what: str = "the condition") -> T:
-    """Poll `check` until it returns a truthy value (returned); fails after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {value!r})")
-        time.sleep(0.05)
 
 
 # -- a small sync client ------------------------------------------------------------------------------

@@ -11,13 +11,14 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypedDict
 
 import httpx
+
+from kvsidecar.testing.poll import eventually
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,18 +121,20 @@ class LlamaServer:
         return self
 
     def wait_healthy(self, *, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"llama-server exited with {self.proc.returncode}; log:\n{self.log_tail()}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
-                    return
-            time.sleep(0.05)
-        self.stop()
-        raise TimeoutError(f"llama-server not healthy after {timeout_s}s; log:\n{self.log_tail()}")
+        try:
+            eventually(self._healthy, timeout_s=timeout_s, what="llama-server to be healthy")
+        except AssertionError:
+            self.stop()
+            raise TimeoutError(
+                f"llama-server not healthy after {timeout_s}s; log:\n{self.log_tail()}"
+            ) from None
+
+    def _healthy(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:  # it will never answer
+            raise RuntimeError(f"llama-server exited with {self.proc.returncode}; log:\n{self.log_tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200
+        return False
 
     def log_tail(self, lines: int = 30) -> str:
         try:

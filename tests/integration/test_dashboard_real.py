@@ -156,7 +156,7 @@ async def test_every_dashboard_metric_exists_on_a_real_daemon(
         assert names, f"{where}: no metric in {expr!r}"
         for name in names:
             used.setdefault(name, set()).add(where)
-    # the fleet panels' series exist only in fleet mode: unit/test_fleet_agent checks them on a fleet daemon
+    # the fleet panels' series exist only in fleet mode: unit/fleet/test_agent checks them on a fleet daemon
     missing = {
         name: sorted(where)
         for name, where in used.items()

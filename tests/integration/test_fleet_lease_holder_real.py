@@ -17,13 +17,13 @@ from kvsidecar.testing.fleet import (
     acquire,
     call,
     complete,
-    eventually,
     ok,
     release,
     status,
     turn,
 )
 from kvsidecar.testing.llama import words
+from kvsidecar.testing.poll import eventually
 from tests.fleet_helpers import RedisServer
 
 

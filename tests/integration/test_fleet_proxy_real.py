@@ -11,7 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvsidecar.testing.fleet import SERVE_HERE, LocalFleet, event, eventually, live_hosts
+from kvsidecar.testing.fleet import SERVE_HERE, LocalFleet, event, live_hosts
+from kvsidecar.testing.poll import eventually
 from tests.fleet_helpers import RedisServer
 
 

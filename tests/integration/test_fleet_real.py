@@ -32,7 +32,6 @@ from kvsidecar.testing.fleet import (
     call,
     complete,
     event,
-    eventually,
     live_hosts,
     ok,
     release,
@@ -42,6 +41,7 @@ from kvsidecar.testing.fleet import (
 )
 from kvsidecar.testing.llama import vocab_dir, words
 from kvsidecar.testing.models import ModelShape, generate_llama_model
+from kvsidecar.testing.poll import eventually
 from tests.fleet_helpers import RedisServer
 
 MakeFleet = Callable[..., LocalFleet]

@@ -17,6 +17,7 @@ import pytest
 from kvsidecar.config import config_from_mapping
 from kvsidecar.daemon.service import Daemon, build_server
 from kvsidecar.testing.llama import LlamaServer, complete, free_port, words
+from kvsidecar.testing.poll import until
 from tests.conftest import StartServer
 
 TOKEN = "integration-token-lease-holder-0123"
@@ -64,12 +65,6 @@ async def release(c: httpx.AsyncClient, url: str, lease: str, **body: Any) -> ht
     return await c.post(f"{url}/v1/leases/{lease}/release", json={"status": "ok", **body}, headers=AUTH)
 
 
-async def until(predicate: Any, what: str, timeout_s: float = 30.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.02)
-
-
 async def test_a_client_that_timed_out_mid_acquire_leaves_the_slot_to_the_next_session(
     start_llama: StartServer, tmp_path: Path
 ) -> None:
@@ -87,7 +82,12 @@ async def test_a_client_that_timed_out_mid_acquire_leaves_the_slot_to_the_next_s
                     timeout=httpx.Timeout(30, read=1.0),
                 )
             )
-            await until(lambda: bool(daemon.coordinator.pool.queued(srv)), "B's acquire to wait for the slot")
+            await until(
+                lambda: bool(daemon.coordinator.pool.queued(srv)),
+                timeout_s=30.0,
+                interval_s=0.02,
+                what="B's acquire to wait for the slot",
+            )
             with pytest.raises(httpx.ReadTimeout):
                 await gave_up
         # the model call of A's turn, then its release: the slot is free now
@@ -114,7 +114,12 @@ async def test_an_unused_lease_ends_at_its_claim_ttl_and_a_used_one_keeps_its_tt
         unused = await acquire(c, url, "A")  # granted; its answer "never arrives": no model call, no release
         assert unused.status_code == 200, unused.text
         lease_id = unused.json()["lease_id"]
-        await until(lambda: lease_id not in leases, "the unused lease to end at its claim TTL")
+        await until(
+            lambda: lease_id not in leases,
+            timeout_s=30.0,
+            interval_s=0.02,
+            what="the unused lease to end at its claim TTL",
+        )
         assert (await release(c, url, lease_id)).status_code == 404
         used = await acquire(c, url, "B")  # the slot is free again: no wait
         assert used.status_code == 200, used.text
@@ -123,6 +128,11 @@ async def test_an_unused_lease_ends_at_its_claim_ttl_and_a_used_one_keeps_its_tt
         t = await asyncio.to_thread(
             complete, server.base_url, words("B", 300), slot_id=used.json()["slot_id"]
         )
-        await until(lambda: lease.active, "llama-server's /slots to show the lease in use")
+        await until(
+            lambda: lease.active,
+            timeout_s=30.0,
+            interval_s=0.02,
+            what="llama-server's /slots to show the lease in use",
+        )
         done = await release(c, url, used.json()["lease_id"], prompt_tokens=t["prompt_n"], cached_tokens=0)
         assert done.status_code == 200 and done.json()["dirty"] is True, done.text

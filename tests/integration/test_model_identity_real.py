@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from kvsidecar.coordinator.canary import CANARY_PROMPT
 from kvsidecar.coordinator.state import Outcome
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.testing.llama import LlamaServer
+from kvsidecar.testing.poll import eventually
 from tests.conftest import StartServer
 from tests.integration.real_helpers import RealHarness, erase, generate, prompt, real_harness
 from tests.integration.test_runtime_identity_real import acquire_and_generate
@@ -80,10 +80,12 @@ def props(server: LlamaServer) -> dict[str, Any]:
 
 
 def wait_asleep(server: LlamaServer, deadline_s: float = 120.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not props(server).get("is_sleeping"):
-        assert time.monotonic() < end, "llama-server never entered sleep mode"
-        time.sleep(0.2)
+    eventually(
+        lambda: props(server).get("is_sleeping"),
+        timeout_s=deadline_s,
+        interval_s=0.2,
+        what="llama-server to enter sleep mode",
+    )
 
 
 async def test_kvsidecar_does_not_wake_a_sleeping_server(start_llama: StartServer, tmp_path: Path) -> None:

@@ -17,8 +17,8 @@ from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import LlamaServer, words
 from tests.conftest import StartServer
 from tests.integration.test_proxy_real import TOKEN, Setup, proxy_daemon
+from tests.unit.proxy.test_app_guard import REFUSED
 from tests.unit.rawhttp import open_socket, raw_request
-from tests.unit.test_proxy_guard import REFUSED
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

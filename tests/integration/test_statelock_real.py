@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import yaml
 from kvsidecar.daemon.statelock import LOCK_NAME, Holder, this_host
 from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import LlamaServer, complete, words
+from kvsidecar.testing.poll import eventually
 from tests.conftest import StartServer
 
 
@@ -73,14 +73,15 @@ def test_second_daemon_refuses_naming_the_holder_and_a_killed_holder_is_taken_ov
 
 
 def wait_for_line(d: DaemonProcess, needle: str, timeout_s: float = 30.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in d.log().splitlines():
-            if needle in line:
-                return line
-        assert d.alive, d.log()[-2000:]
-        time.sleep(0.05)
-    raise AssertionError(f"no {needle!r} in the log:\n{d.log()[-2000:]}")
+    def logged() -> str | None:
+        found = next((line for line in d.log().splitlines() if needle in line), None)
+        assert found is not None or d.alive, "the daemon exited"
+        return found
+
+    try:
+        return eventually(logged, timeout_s=timeout_s, what=f"{needle!r} in the log")
+    except AssertionError as exc:  # either way, the log says why
+        raise AssertionError(f"{exc}; the log:\n{d.log()[-2000:]}") from None
 
 
 def test_sighup_applies_live_keys_and_reports_restart_only_ones(

@@ -32,6 +32,7 @@ from kvsidecar.coordinator.state import Outcome
 from kvsidecar.daemon.service import Daemon, build_server
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.testing.llama import free_port
+from kvsidecar.testing.poll import until
 from tests.unit.coordinator_helpers import conversation, make_config
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -107,11 +108,16 @@ async def serve_daemon(tmp_path: Path) -> AsyncIterator[Served]:
     fake = FakeKvBackend(tmp_path / "snaps")
     server, socks, daemon = build_server(config, backends={"local": fake}, process_finder=None, watch=False)
     task = asyncio.ensure_future(server.serve(sockets=socks))
-    while not server.started:  # until the lifespan startup ran and the socket listens
+
+    def serving() -> bool:  # the lifespan startup ran and the socket listens
+        if server.started:
+            return True
         if task.done():
             task.result()
             raise AssertionError("the daemon stopped before it served")
-        await asyncio.sleep(0.01)
+        return False
+
+    await until(serving, what="the daemon to serve")
     try:
         yield Served(f"http://{listen}", daemon, fake)
     finally:

@@ -177,3 +177,41 @@ async def test_an_operation_on_a_slot_nobody_holds_is_refused(
         async with guard.persisting(srv, "restore", slot=srv.slots[0]):
             raise AssertionError("not reached")
     assert srv.breaker.failures == 0
+
+
+class SteppingClock(Clock):
+    """Moves on by `step` at every read: a cooldown can end between two reads of one decision."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = 0.0
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+@pytest.mark.parametrize("before_end_s", [1.0, 0.7, 0.5, 0.3, 0.1, 0.0])
+async def test_a_trial_granted_as_the_cooldown_ends_is_ended_by_the_block(
+    tmp_path: Path, guard: PersistGuard, before_end_s: float
+) -> None:
+    """The breaker's state is read once per admission (`admit()`): whatever the clock does between reads,
+    an operation that ends with no verdict never leaves the half-open trial in flight (which would refuse
+    every save and restore from then on)."""
+    clock = SteppingClock()
+    server = build_servers(
+        make_config(tmp_path), {"local": FakeKvBackend(tmp_path / "s")}, None, None, None, clock
+    )["local"]
+    server.available = True
+    server.slots[0].holder = "test"
+    breaker = server.breaker
+    for _ in range(breaker.max_consecutive_failures):
+        breaker.failure("KV_SAVE_FAILED")
+    assert breaker.opened_at is not None
+    clock.now = breaker.opened_at + breaker.cooldown_s - before_end_s
+    clock.step = 0.6
+    async with guard.persisting(server, "save", slot=server.slots[0]) as op:
+        took_trial = breaker.trial_in_flight
+        assert op.trial is took_trial and op.allowed is took_trial  # refused, or granted as the trial
+        op.void()  # e.g. the server restarted under it: no verdict
+    assert not breaker.trial_in_flight

@@ -17,6 +17,7 @@ from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.state import AcquireResult, Lease, Outcome, SessionRuntime
 from kvsidecar.errors import InvariantViolation
 from kvsidecar.store.naming import SnapshotIdentity
+from kvsidecar.testing.poll import until
 from tests.unit.coordinator_helpers import Harness, start_harness
 
 MANAGED = {"local": {"mode": "managed-slots"}}
@@ -37,8 +38,7 @@ def server(h: Harness) -> ServerRuntime:
 
 
 async def until_queued(h: Harness, n: int) -> None:
-    while h.coordinator.pool.queued(server(h)) < n:
-        await asyncio.sleep(0)
+    await until(lambda: h.coordinator.pool.queued(server(h)) >= n, interval_s=0, what=f"{n} acquires queued")
 
 
 # Invariant 2 -------------------------------------------------------------------------------------------

@@ -1,0 +1,283 @@
+"""Issue 28 through the proxy: the recorded agent-client requests (tests/fixtures/clients) against a
+scripted origin that runs the fake backend's engine (a slot really holds the rendered prompt, is saved and
+restored with it): which signal names each session (`X-KV-Signal`), title requests as auxiliary, the
+content identity, PROMPT_DIVERGED, the prefix donor (`prefix_from`) and the no-erase cold start. The real
+llama-server suite: tests/integration/test_agent_clients_real.py."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvsidecar.api.routes import create_app
+from kvsidecar.backend.fake import FakeKvBackend
+from kvsidecar.backend.llama_http import find_timings
+from kvsidecar.coordinator.state import Outcome
+from kvsidecar.errors import InvalidSessionId
+from kvsidecar.proxy.answers import REASONS, SIGNAL_VALUES
+from kvsidecar.proxy.client_content import normalize
+from kvsidecar.proxy.conversations import ConversationTable, credential_of
+from tests.unit.client_fixtures import Recorded, load
+from tests.unit.coordinator_helpers import conversation, start_harness
+from tests.unit.origin import Request, keep_alive_origin
+from tests.unit.proxy.test_app import TOKEN, Rig, rig
+
+_DROP = {"authorization", "x-api-key", "host", "content-length", "accept-encoding", "connection"}
+
+
+def render(data: dict[str, Any]) -> list[int]:
+    """A prompt as tokens: the tools, then each message / item as canonical JSON (an extension of the
+    messages is an extension of the tokens, as with a real chat template)."""
+    parts = [data.get("tools") or [], data.get("system") or data.get("instructions") or ""]
+    items = data.get("messages") or data.get("input") or []
+    text = "".join(json.dumps(p, sort_keys=True) for p in [*parts, *items])
+    return [zlib.crc32(text[i : i + 32].encode()) for i in range(0, len(text), 32)]  # 32 chars a token
+
+
+async def with_engine(tmp_path: Path, **kw: Any) -> AsyncIterator[tuple[Rig, FakeKvBackend]]:
+    fake: list[FakeKvBackend] = []
+
+    async def answer(request: Request) -> tuple[int, bytes, tuple[tuple[str, str], ...]]:
+        data = request.json()
+        prompt_n, cache_n = fake[0].infer(data.get("id_slot", 0), render(data))
+        body = {
+            "content": "ok",
+            # a chat completion's shape too: the proxy converts Claude Code's requests to one (issue 28)
+            "choices": [{"message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+            "timings": {"prompt_n": prompt_n, "cache_n": cache_n},
+        }
+        return 200, json.dumps(body).encode(), (("content-type", "application/json"),)
+
+    async for each in rig(tmp_path, keep_alive_origin(answer), **kw):
+        fake.append(each.h.fake)
+        yield each, each.h.fake
+
+
+async def replay(r: Rig, client: str, name: str, *, key: str = TOKEN, **changes: Any) -> httpx.Response:
+    rec: Recorded = load(client, name)
+    headers = {k: v for k, v in rec.headers if k.lower() not in _DROP}
+    headers |= {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    body = {**rec.body, "stream": False, **changes}
+    async with httpx.AsyncClient(base_url=r.url, timeout=10) as c:
+        resp = await c.post(rec.path, content=json.dumps(body).encode(), headers=headers)
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def kv(resp: httpx.Response) -> tuple[str | None, str | None, str | None]:
+    h = resp.headers
+    return h.get("x-kv-signal"), h.get("x-kv-outcome"), h.get("x-kv-reason")
+
+
+@pytest.fixture
+async def r(tmp_path: Path) -> AsyncIterator[tuple[Rig, FakeKvBackend]]:
+    async for each in with_engine(tmp_path, proxy={"identity": "session"}):
+        yield each
+
+
+def origin_prompt(r: Rig) -> dict[str, Any]:
+    return r.origin.requests[-1].json()  # type: ignore[no-any-return]
+
+
+async def test_each_client_is_recognized_by_its_own_signal(r: tuple[Rig, FakeKvBackend]) -> None:
+    rig_, _ = r
+    assert kv(await replay(rig_, "codex", "exec_turn1"))[:2] == ("header:session-id", "cold")
+    assert kv(await replay(rig_, "codex", "exec_turn2_resume"))[:2] == ("header:session-id", "resident")
+    assert kv(await replay(rig_, "opencode", "run_turn1"))[:2] == ("header:x-session-id", "cold")
+    assert kv(await replay(rig_, "aider", "ui_turn1"))[:2] == ("content", "cold")
+    assert kv(await replay(rig_, "aider", "ui_turn2"))[:2] == ("content", "resident")  # continued
+    counted = rig_.h.coordinator.metrics.registry.get_sample_value(
+        "kvsidecar_proxy_session_signal_total", {"signal": "content", "kind": "managed"}
+    )
+    assert counted == 2
+
+
+async def test_title_requests_run_beside_the_conversation(r: tuple[Rig, FakeKvBackend]) -> None:
+    """Codex's title has a new id, opencode's the conversation's: both auxiliary, the conversation stays
+    resident (the title ran on its slot only after the conversation was saved) and restores whole."""
+    rig_, fake = r
+    await replay(rig_, "codex", "ui_turn1")
+    title = await replay(rig_, "codex", "ui_title")
+    assert kv(title) == ("title:codex", None, None)
+    assert "cache_prompt" not in origin_prompt(rig_)  # auxiliary: llama-server's own default
+    stats = rig_.h.coordinator.status()["stats"]
+    assert stats["saves"] == 1  # the conversation was saved before the title ran on its slot
+    turn2 = await replay(rig_, "codex", "ui_turn2")
+    assert kv(turn2)[:2] == ("header:session-id", "restored")
+    opencode_title = await replay(rig_, "opencode", "run_title")
+    assert kv(opencode_title) == ("title:opencode", None, None)
+    assert rig_.h.coordinator.status()["stats"]["acquires"] == 4
+    assert fake.slot_tokens(0) == render(origin_prompt(rig_))
+
+
+async def test_a_side_request_under_the_sessions_id_does_not_replace_its_kv(
+    r: tuple[Rig, FakeKvBackend],
+) -> None:
+    """Claude Code's UI title carries the conversation's id: with its markers removed it is still told
+    apart by content (no tools where the conversation has them): auxiliary, never the session's turn."""
+    rig_, _ = r
+    await replay(rig_, "claude", "ui_turn1")
+    side = await replay(rig_, "claude", "ui_title", output_config=None)
+    assert kv(side) == ("aux:not-extending", None, None)
+    assert kv(await replay(rig_, "claude", "ui_turn2"))[:2] == ("header:x-claude-code-session-id", "restored")
+
+
+async def test_a_turn_that_does_not_extend_its_session_says_where(r: tuple[Rig, FakeKvBackend]) -> None:
+    rig_, _ = r
+    await replay(rig_, "opencode", "run_turn1")
+    turn = dict(load("opencode", "run_turn2_continue").body)
+    tools = [{"type": "function", "function": {"name": "other", "parameters": {}}}, *turn["tools"][1:]]
+    changed = await replay(rig_, "opencode", "run_turn2_continue", tools=tools)  # a changed tool list
+    assert kv(changed) == ("header:x-session-id", "resident", "PROMPT_DIVERGED")
+    assert changed.headers["x-kv-diverged-message"] == "0"  # element 0 is the tools, 1 the system prompt
+    view = rig_.h.coordinator.status()["proxy"]
+    [record] = view["divergences"]
+    assert record["reason"] == "PROMPT_DIVERGED" and record["message_index"] == 0
+    assert record["token_offset"] is not None and record["token_offset"] < record["held_tokens"]
+    assert len(record["session"]) == 8  # a short id, never the client's
+    registry = rig_.h.coordinator.metrics.registry
+    labels = {"signal": "header:x-session-id", "when": "reuse"}
+    assert registry.get_sample_value("kvsidecar_proxy_prompt_diverged_total", labels) == 1
+    assert "PROMPT_DIVERGED" in REASONS and "aux:not-extending" in SIGNAL_VALUES
+
+
+async def test_a_second_conversation_starts_from_the_firsts_kv(r: tuple[Rig, FakeKvBackend]) -> None:
+    """opencode's second conversation (its title request ran in between, so the slot no longer holds the
+    first one): it starts from the first conversation's snapshot (`prefix_from`), which stays untouched."""
+    rig_, _ = r
+    await replay(rig_, "opencode", "run_turn1")
+    await replay(rig_, "opencode", "run_conv2_title")  # auxiliary: saves conv 1, runs on the slot
+    first, second = load("opencode", "run_turn1"), load("opencode", "run_conv2_turn1")
+    assert first.header_map["x-session-id"] != second.header_map["x-session-id"]  # two conversations
+    resp = await replay(rig_, "opencode", "run_conv2_turn1")
+    assert kv(resp)[:2] == ("header:x-session-id", "cold")
+    shared = int(resp.headers["x-kv-shared-tokens"])
+    assert shared > 0.9 * len(render(second.body))
+    status = rig_.h.coordinator.status()["stats"]
+    assert status["prefix_donor_restores"] == 1 and status["shared_prefix_tokens"] >= shared - 1
+
+
+async def test_another_credential_never_shares_a_prefix(r: tuple[Rig, FakeKvBackend]) -> None:
+    """Without a proxy token of its own the client's key is the scope; here two keys of the proxy's own
+    token cannot differ, so the check is on the coordinator: a scoped cold start after another scope's
+    turn erases its slot, and a `prefix_from` of another scope is refused."""
+    rig_, fake = r
+    c = rig_.h.coordinator
+    first = await c.acquire("A", provider="local", model="m", scope="k1")
+    assert first.lease_id is not None
+    fake.infer(0, [1, 2, 3, 4])
+    await c.release(first.lease_id, status="ok", prompt_tokens=4, cached_tokens=0)
+    other = await c.acquire("B", provider="local", model="m", scope="k2", prefix_from="A")
+    assert "erase" in other.actions and other.shared_tokens is None
+    assert fake.slot_tokens(0) == []
+    await c.release(other.lease_id or "", status="aborted")
+    same = await c.acquire("C", provider="local", model="m", scope="k2")
+    assert "erase" not in same.actions  # the same scope as the slot's last user: its KV is kept
+    await c.release(same.lease_id or "", status="aborted")
+
+
+async def test_prefix_from_is_checked_as_a_session_id(r: tuple[Rig, FakeKvBackend]) -> None:
+    rig_, _ = r
+    with pytest.raises(InvalidSessionId):
+        await rig_.h.coordinator.acquire("A", provider="local", model="m", prefix_from="../etc/x")
+
+
+async def test_share_prefix_off_erases_every_cold_start(tmp_path: Path) -> None:
+    async for rig_, fake in with_engine(tmp_path, restore={"share_prefix": False}):
+        c = rig_.h.coordinator
+        for session in ("A", "B"):
+            lease = await c.acquire(session, provider="local", model="m")
+            assert "erase" in lease.actions and lease.outcome is Outcome.COLD
+            fake.infer(0, [1, 2, 3])
+            await c.release(lease.lease_id or "", status="ok", prompt_tokens=3, cached_tokens=0)
+
+
+async def test_content_identity_off_runs_idless_requests_as_auxiliary(tmp_path: Path) -> None:
+    async for rig_, _ in with_engine(tmp_path, proxy={"content_identity": False}):
+        assert kv(await replay(rig_, "aider", "ui_turn1")) == ("none", None, None)
+        assert rig_.h.coordinator.status()["proxy"]["conversations"] == 0
+
+
+def test_prompt_counts_come_from_usage_where_llama_server_sends_no_timings() -> None:
+    """`/v1/messages` (either way) and a non-streamed `/v1/responses` carry `usage`, not `timings`."""
+    anthropic = {"type": "message", "usage": {"input_tokens": 7, "cache_read_input_tokens": 93}}
+    assert find_timings(json.dumps(anthropic)) == {"prompt_n": 7, "cache_n": 93}
+    start = {"type": "message_start", "message": {"usage": {"input_tokens": 5, "cache_read_input_tokens": 9}}}
+    stream = f"event: message_start\ndata: {json.dumps(start)}\n\nevent: message_stop\ndata: {{}}\n\n"
+    assert find_timings(stream) == {"prompt_n": 5, "cache_n": 9}
+    responses = {"usage": {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 60}}}
+    assert find_timings(json.dumps(responses)) == {"prompt_n": 40, "cache_n": 60}
+    for hostile in ({"usage": {"input_tokens": "7", "cache_read_input_tokens": 1}}, {"usage": [1]}):
+        assert find_timings(json.dumps(hostile)) is None
+
+
+def test_the_conversation_table_is_per_credential_and_bounded() -> None:
+    table = ConversationTable(max_credentials=2, per_credential=3)
+    first = normalize("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    longer = normalize(
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+    )
+    assert first is not None and longer is not None
+    sid, continued = table.identify("k1", first)
+    assert not continued and sid.startswith("c:")
+    table.record("k1", sid, "m", first)
+    assert table.identify("k1", longer) == (sid, True)
+    other, continued = table.identify("k2", longer)  # another credential never continues it
+    assert not continued and other != sid
+    assert table.donor("k2", longer, model="m", exclude="x") is None
+    assert table.donor("k1", longer, model="m", exclude="x") == (sid, 1)
+    for n in range(5):
+        table.record("k1", f"s{n}", "m", first)
+    table.record("k2", "t", "m", first)
+    table.record("k3", "u", "m", first)
+    assert len(table) == 2 and table.get("k1", "s4") is None  # k1, least recently used, was dropped
+    assert credential_of({b"authorization": b"Bearer a"}) != credential_of({b"x-api-key": b"Bearer a"})
+    assert credential_of({}) == "anon"
+
+
+async def test_hook_api_prefix_from_restores_the_donors_snapshot_untouched(tmp_path: Path) -> None:
+    """The acquire hint for harnesses that know a session's parent: a cold start on an empty slot begins
+    from the donor's newest snapshot; the donor's manifest and files stay as they were; a hostile hint is
+    a 400 with a stable code."""
+    # a pool: B gets an empty slot, A stays resident in its own
+    h = await start_harness(tmp_path, total_slots=3, servers={"local": {"mode": "managed-slots"}})
+    try:
+        await h.turn("A")
+        assert (await h.coordinator.session_event("A", "flush"))["saved"] == 1
+        donor_key = h.coordinator.sessions.known("A")[0].key
+        before = h.coordinator.store.get(donor_key)
+        app = create_app(h.coordinator, token=TOKEN)
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app),
+            base_url="http://127.0.0.1:8377",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        ) as c:
+            bad = await c.post(
+                "/v1/sessions/B/acquire", json={"provider": "local", "model": "m", "prefix_from": "../A"}
+            )
+            assert bad.status_code == 400 and bad.json()["error"]["code"] == "KV_INVALID_SESSION_ID"
+            r = await c.post(
+                "/v1/sessions/B/acquire", json={"provider": "local", "model": "m", "prefix_from": "A"}
+            )
+            body = r.json()
+            slot = body["slot_id"]
+            assert body["outcome"] == "cold" and slot != 0, body
+            assert body["shared_tokens"] == len(conversation("A", 1)), body
+            assert h.fake.slot_tokens(slot) == conversation("A", 1)
+            prompt_n, cache_n = h.fake.infer(slot, [*conversation("A", 1)[:50], 7, 7, 7])
+            out = await c.post(
+                f"/v1/leases/{body['lease_id']}/release",
+                json={"status": "ok", "prompt_tokens": prompt_n, "cached_tokens": cache_n},
+            )
+            assert out.json()["shared_tokens"] == 50
+        assert h.coordinator.store.get(donor_key) == before  # read, never written
+        assert h.coordinator.telemetry.stats()["prefix_donor_restores"] == 1
+    finally:
+        await h.coordinator.aclose()
