@@ -21,6 +21,8 @@ This package's public names, re-exported here (`from kvsidecar.config import Con
 
 from __future__ import annotations
 
+from kvsidecar.config.errors import ConfigInvalid, config_problems
+from kvsidecar.config.file import read_mapping
 from kvsidecar.config.fleet import HOST_ID, FleetConfig
 from kvsidecar.config.loading import (
     DEFAULT_CONFIG_PATH,
@@ -53,6 +55,7 @@ __all__ = [
     "Bytes",
     "CheckpointConfig",
     "Config",
+    "ConfigInvalid",
     "ConfigSource",
     "FailureConfig",
     "FleetConfig",
@@ -65,6 +68,7 @@ __all__ = [
     "RetentionConfig",
     "ServerConfig",
     "config_from_mapping",
+    "config_problems",
     "config_search_paths",
     "expand_path",
     "find_config",
@@ -72,5 +76,6 @@ __all__ = [
     "is_loopback",
     "load_config",
     "read_config",
+    "read_mapping",
     "size_spelling",
 ]

@@ -228,10 +228,12 @@ class CheckpointPolicy:
         is due is saved (`protect`)."""
         if not self.active or self.pool.queued(srv):
             return
-        cleaning = self._cleaning_on()
-        moment = self._moment(srv, coming=self.switches_coming(srv) if cleaning else 0)  # read once, for both
-        if not (cleaning and self._clean_next(moment)):
-            self.protect(srv, moment)
+        moment = self._moment(srv)  # read once, for both decisions
+        if self._cleaning_on() and decisions.clean_due(moment.sessions, moment.now):
+            moment = moment._replace(server=moment.server._replace(coming=self.switches_coming(srv)))
+            if self._clean_next(moment):
+                return
+        self.protect(srv, moment)
 
     def _clean_next(self, moment: Moment) -> bool:
         """given_back's clean ahead: True if one was started (then no protect() save starts now)."""

@@ -227,6 +227,15 @@ def working(server: ServerFacts, but: int | None = None) -> bool:
     return any(not s.free for s in server.slots if s.id != but)
 
 
+def clean_due(sessions: Mapping[str, SessionFacts], now: float) -> bool:
+    """Whether `clean_next` could pick any of these sessions at all (one whose clean ahead came due, with
+    no timer of its own to come): when none could, the demand it weighs need not be counted."""
+    return any(
+        s.clean_due_at is not None and not s.clean_timer_pending and not s.cleaning and now >= s.clean_due_at
+        for s in sessions.values()
+    )
+
+
 def clean_next(
     server: ServerFacts, sessions: Mapping[str, SessionFacts], rules: Rules, now: float
 ) -> str | None:

@@ -20,15 +20,13 @@ from kvsidecar.store.snapshots import SnapshotStore
 
 class StatusSections:
     """The parts of `status()` that other packages own (fleet mode's, the proxy's): each is handed the
-    coordinator at construction and adds its own section once, here; the coordinator only renders them,
-    in the order they were added."""
+    coordinator at construction and adds its own section here; the coordinator only renders them, in the
+    order they were added. A part built again on the same coordinator (a second proxy) replaces its own."""
 
     def __init__(self) -> None:
         self._views: dict[str, Callable[[], dict[str, Any]]] = {}
 
     def add(self, name: str, view: Callable[[], dict[str, Any]]) -> None:
-        if name in self._views:
-            raise ValueError(f"status section {name!r} is already there")
         self._views[name] = view
 
     def get(self, name: str) -> Callable[[], dict[str, Any]] | None:

@@ -7,6 +7,7 @@ ever reaches a filesystem path; session ids are also validated here, at the edge
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 from dataclasses import dataclass
@@ -60,8 +61,11 @@ class SnapshotIdentity:
     model: str
     session_id: str
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
+        """The identity's name on disk and in every table: a hash, computed once per identity (the hook path
+        reads it several times per call). A frozen dataclass keeps `cached_property` working: it writes the
+        instance's `__dict__`, not through `__setattr__`, and the fields alone decide equality."""
         parts = (_NAME_VERSION, self.server, self.provider, self.model, self.session_id)
         return xxhash.xxh3_128_hexdigest("\0".join(parts).encode())
 

@@ -28,7 +28,7 @@ def eventually(
     *,
     timeout_s: float = 20.0,
     interval_s: float = 0.05,
-    what: str,
+    what: str = "the condition",
 ) -> T:
     """Call `check` every `interval_s` until it returns a truthy value (returned); fail after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -47,7 +47,7 @@ async def until(
     *,
     timeout_s: float = ...,
     interval_s: float = ...,
-    what: str,
+    what: str = "the condition",
 ) -> T: ...
 
 
@@ -57,7 +57,7 @@ async def until(
     *,
     timeout_s: float = ...,
     interval_s: float = ...,
-    what: str,
+    what: str = "the condition",
 ) -> T: ...
 
 
@@ -66,7 +66,7 @@ async def until(
     *,
     timeout_s: float = 10.0,
     interval_s: float = 0.01,
-    what: str,
+    what: str = "the condition",
 ) -> object:
     """`eventually` on the event loop: `check` may be a coroutine function; between calls the loop runs."""
     deadline = time.monotonic() + timeout_s

@@ -165,3 +165,32 @@ def test_the_decisions_inputs_cannot_be_changed_by_a_decision() -> None:
     facts = SessionFacts(key="a", context_tokens=10)
     with pytest.raises(AttributeError):
         facts.context_tokens = 20  # type: ignore[misc]
+
+
+def test_clean_due_is_false_only_where_clean_next_picks_nobody() -> None:
+    """`clean_due` lets a give-back skip counting the demand: across every golden `clean_next` case, and the
+    same cases at other times, it is True wherever `clean_next` picks a session."""
+    checked = 0
+    for path in CASES:
+        data = load(path)
+        if data["decision"] != "clean_next":
+            continue
+        inputs = data["inputs"]
+        for shift in (-1000.0, -1.0, 0.0, 1.0, 1000.0):
+            now = inputs["now"] + shift
+            sessions = ARGUMENTS["sessions"](inputs["sessions"])
+            picked = decisions.clean_next(server(inputs["server"]), sessions, Rules(**inputs["rules"]), now)
+            if picked is not None:
+                assert decisions.clean_due(sessions, now), (path.name, shift)
+                checked += 1
+    assert checked >= 3  # some cases do pick a session: the property is not vacuous
+
+
+def test_clean_due_needs_a_session_whose_clean_ahead_came_due() -> None:
+    base = session({"key": "a", "clean_due_at": 10.0})
+    assert decisions.clean_due({"a": base}, 10.0)
+    assert not decisions.clean_due({"a": base}, 9.9)  # not yet
+    assert not decisions.clean_due({"a": base._replace(clean_timer_pending=True)}, 20.0)  # its timer checks
+    assert not decisions.clean_due({"a": base._replace(cleaning=True)}, 20.0)  # under way already
+    assert not decisions.clean_due({"a": base._replace(clean_due_at=None)}, 20.0)  # a request voided it
+    assert not decisions.clean_due({}, 20.0)
