@@ -20,7 +20,7 @@ import pydantic
 from kvsidecar.config import DEFAULT_CONFIG_PATH, Config, config_search_paths, find_config, read_config
 from kvsidecar.config.errors import ConfigInvalid
 from kvsidecar.errors import ConfigError, ConfigExists
-from kvsidecar.store.atomic import atomic_write_bytes
+from kvsidecar.files.atomic import atomic_write_bytes
 
 _Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 

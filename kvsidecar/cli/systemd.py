@@ -37,7 +37,7 @@ from kvsidecar.config import (
 )
 from kvsidecar.config.file import read_mapping
 from kvsidecar.errors import UnitPathUnsafe
-from kvsidecar.store.atomic import atomic_write_bytes
+from kvsidecar.files.atomic import atomic_write_bytes
 from kvsidecar.units import SNAPSHOT_MODE, STATE_MODE, UNITS, UnitParams, render, state_directory
 from kvsidecar.units.checks import (
     FORCEABLE,

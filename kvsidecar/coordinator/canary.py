@@ -29,7 +29,7 @@ from pathlib import Path
 
 from kvsidecar.backend.base import KvBackend
 from kvsidecar.errors import KvError, SaveFailed
-from kvsidecar.store.confined import DirAnchor, lstat_at
+from kvsidecar.files.confined import DirAnchor, lstat_at
 from kvsidecar.store.integrity import checksum_from_fd
 from kvsidecar.store.state_format import StateFormatError, kv_digest
 

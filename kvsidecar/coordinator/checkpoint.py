@@ -268,10 +268,17 @@ class CheckpointPolicy:
                 return
             key = _AUX_DEMAND_KEY
         recent = self.requested_at(srv)
-        recent[key] = self.monotonic()
+        now = recent[key] = self.monotonic()
         recent.move_to_end(key)
-        if len(recent) > _DEMAND_KEYS_MAX:  # expired ones go first when counted (switches_coming)
+        if len(recent) > _DEMAND_KEYS_MAX:  # bounded whatever ids clients send
             recent.popitem(last=False)
+        # and forgotten once gone quiet: the oldest that left the window go at each request (each once); no
+        # fewer than the server's slots are ever worth counting (switches_coming: none can be coming)
+        if len(recent) > len(srv.slots):
+            for _ in range(
+                decisions.expired_demand(recent.values(), self.costs.server(srv.name).think_s, now)
+            ):
+                recent.popitem(last=False)
 
     def requested_at(self, srv: ServerRuntime) -> OrderedDict[str, float]:
         """The server's recent demand: session key -> when it last asked for a slot, oldest first."""

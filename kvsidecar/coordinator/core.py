@@ -55,11 +55,11 @@ from kvsidecar.coordinator.state import HOOK_SCOPE, AcquireResult, Outcome
 from kvsidecar.coordinator.switch import Switch
 from kvsidecar.coordinator.telemetry import ResidencyObserver, Telemetry
 from kvsidecar.errors import KvError
+from kvsidecar.files.atomic import SHARED_TEMP_AGE_S
 from kvsidecar.fingerprint.file_digests import FileDigestCache
 from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.fingerprint.savepath import llama_save_dir
 from kvsidecar.metrics import Metrics
-from kvsidecar.store.atomic import SHARED_TEMP_AGE_S
 from kvsidecar.store.naming import SnapshotIdentity, validate_label, validate_session_id
 from kvsidecar.store.snapshots import SnapshotStore
 

@@ -37,7 +37,7 @@ during it, must not time out waiting for it.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from itertools import takewhile
 from typing import NamedTuple
 
@@ -196,9 +196,14 @@ def switches_coming(
     session when no slot is reserved for them)."""
     if len(asked_at) <= session_slots:  # only a count above the slots can change by expiring
         return Demand(coming=len(asked_at) - session_slots, expired=0)
-    cutoff = now - demand_window_s(server_think_s)
-    expired = sum(1 for _ in takewhile(lambda t: t < cutoff, asked_at))
+    expired = expired_demand(asked_at, server_think_s, now)
     return Demand(coming=len(asked_at) - expired - session_slots, expired=expired)
+
+
+def expired_demand(asked_at: Iterable[float], server_think_s: Sequence[float], now: float) -> int:
+    """How many of the oldest requests (`asked_at`, oldest first) have left the demand window: forgotten."""
+    cutoff = now - demand_window_s(server_think_s)
+    return sum(1 for _ in takewhile(lambda t: t < cutoff, asked_at))
 
 
 def next_victims(server: ServerFacts) -> list[int]:

@@ -36,9 +36,9 @@ from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
 from kvsidecar.coordinator.state import AcquireResult, Outcome, SessionRuntime, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import BackendUnavailable, ConnectionLost, KvError, RestoreFailed
+from kvsidecar.files.confined import DIR_MOVED
 from kvsidecar.fingerprint.runtime import RuntimeFingerprint
 from kvsidecar.fingerprint.savepath import llama_save_dir
-from kvsidecar.store.confined import DIR_MOVED
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import Candidate, Rejection, SnapshotStore
 

@@ -48,10 +48,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvsidecar import __version__
 from kvsidecar.errors import MetadataIO, StateLocked
+from kvsidecar.files.atomic import ensure_private_dir
+from kvsidecar.files.confined import describe
+from kvsidecar.files.jsonlimits import JsonLimitError, loads_capped
 from kvsidecar.logs import event
-from kvsidecar.store.atomic import ensure_private_dir
-from kvsidecar.store.confined import describe
-from kvsidecar.store.jsonlimits import JsonLimitError, loads_capped
 
 log = logging.getLogger("kvsidecar.statelock")
 

@@ -17,10 +17,10 @@ from kvsidecar.doctor.llama import CrashReader, crash_check, process_checks
 from kvsidecar.doctor.probe import SlotHolder, SnapshotProbe
 from kvsidecar.doctor.report import DoctorReport
 from kvsidecar.errors import KvError
+from kvsidecar.files.confined import DirAnchor
 from kvsidecar.fingerprint.llama_exit import recent_crashes
 from kvsidecar.fingerprint.llama_process import ProcessInfo, find_llama_process
 from kvsidecar.fingerprint.savepath import llama_save_dir
-from kvsidecar.store.confined import DirAnchor
 
 
 class Doctor:

@@ -11,8 +11,8 @@ import psutil
 
 from kvsidecar.config import Config, RetentionConfig
 from kvsidecar.doctor.report import DoctorReport
+from kvsidecar.files.atomic import atomic_write_bytes
 from kvsidecar.retention.plan import free_floor_bytes
-from kvsidecar.store.atomic import atomic_write_bytes
 
 
 def state_dir_check(report: DoctorReport, config: Config) -> None:

@@ -18,8 +18,8 @@ from kvsidecar.config import Config, ServerConfig
 from kvsidecar.doctor.llama import upgrade_check
 from kvsidecar.doctor.report import DoctorReport
 from kvsidecar.errors import DirMoved, KvError
+from kvsidecar.files.confined import DIR_MOVED, DirAnchor, lstat_at
 from kvsidecar.fingerprint.llama_process import ProcessInfo
-from kvsidecar.store.confined import DIR_MOVED, DirAnchor, lstat_at
 from kvsidecar.store.integrity import header_from_fd
 
 # Runs `fn(slot_id)` while the slot is held exclusively (in the daemon: an auxiliary lease).

@@ -27,10 +27,10 @@ from typing import Any
 import xxhash
 
 from kvsidecar.errors import KvError
+from kvsidecar.files.atomic import atomic_write_at, atomic_write_bytes
+from kvsidecar.files.confined import DirAnchor
+from kvsidecar.files.jsonlimits import loads_capped
 from kvsidecar.logs import event
-from kvsidecar.store.atomic import atomic_write_at, atomic_write_bytes
-from kvsidecar.store.confined import DirAnchor
-from kvsidecar.store.jsonlimits import loads_capped
 
 log = logging.getLogger("kvsidecar.fingerprint")
 

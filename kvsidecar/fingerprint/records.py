@@ -14,10 +14,10 @@ import os
 import stat
 
 from kvsidecar.errors import KvError
+from kvsidecar.files.atomic import atomic_write_at
+from kvsidecar.files.confined import ConfinedDir, read_capped
+from kvsidecar.files.jsonlimits import JsonLimitError, loads_capped
 from kvsidecar.fingerprint.runtime import RuntimeFingerprint
-from kvsidecar.store.atomic import atomic_write_at
-from kvsidecar.store.confined import ConfinedDir, read_capped
-from kvsidecar.store.jsonlimits import JsonLimitError, loads_capped
 
 _MAX_BYTES = 1 << 20
 _MAX_DEPTH = 2

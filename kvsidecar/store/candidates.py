@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvsidecar.errors import KvError, SnapshotCorrupt, SnapshotNotFound
+from kvsidecar.files.confined import UnsafeFile
 from kvsidecar.fingerprint.records import FingerprintRecords
 from kvsidecar.fingerprint.runtime import RuntimeFingerprint
-from kvsidecar.store.confined import UnsafeFile
 from kvsidecar.store.integrity import verify_fd
 from kvsidecar.store.layout import StoreLayout
 from kvsidecar.store.manifest import GenerationRecord, Manifest

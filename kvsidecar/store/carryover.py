@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from kvsidecar.errors import KvError
-from kvsidecar.store.atomic import atomic_write_at
-from kvsidecar.store.confined import DirAnchor
+from kvsidecar.files.atomic import atomic_write_at
+from kvsidecar.files.confined import DirAnchor
 from kvsidecar.store.state_format import (
     LayerKV,
     StateFormatError,

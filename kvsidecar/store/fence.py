@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvsidecar.errors import DirMoved, Fenced, KvError, MetadataIO
+from kvsidecar.files.confined import DirAnchor
 from kvsidecar.logs import event
-from kvsidecar.store.confined import DirAnchor
 from kvsidecar.store.naming import KEY
 
 log = logging.getLogger("kvsidecar.store")

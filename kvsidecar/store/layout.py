@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvsidecar.errors import MetadataIO
-from kvsidecar.logs import event
-from kvsidecar.store.atomic import (
+from kvsidecar.files.atomic import (
     SHARED_TEMP_AGE_S,
     TEMP_FILE,
     ensure_private_dir,
     secure_directory,
     sweep_temp_files,
 )
-from kvsidecar.store.confined import ConfinedDir, DirAnchor
+from kvsidecar.files.confined import ConfinedDir, DirAnchor
+from kvsidecar.logs import event
 from kvsidecar.store.naming import FINGERPRINT_FILE, MANIFEST_FILE, SNAPSHOT_FILE
 
 log = logging.getLogger("kvsidecar.store")

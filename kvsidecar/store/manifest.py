@@ -26,9 +26,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from kvsidecar.errors import ManifestInvalid
-from kvsidecar.store.atomic import atomic_write_bytes
-from kvsidecar.store.confined import read_capped
-from kvsidecar.store.jsonlimits import JsonLimitError, check_limits
+from kvsidecar.files.atomic import atomic_write_bytes
+from kvsidecar.files.confined import read_capped
+from kvsidecar.files.jsonlimits import JsonLimitError, check_limits
 from kvsidecar.store.naming import GENERATIONS, Generation, SnapshotIdentity, snapshot_filename
 
 SCHEMA_VERSION = 1

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Literal
 
 from kvsidecar.errors import KvError, MetadataIO
+from kvsidecar.files.atomic import SHARED_TEMP_AGE_S
+from kvsidecar.files.confined import ConfinedDir, Entry, problem
 from kvsidecar.logs import event
-from kvsidecar.store.atomic import SHARED_TEMP_AGE_S
-from kvsidecar.store.confined import ConfinedDir, Entry, problem
 from kvsidecar.store.layout import StoreLayout
 from kvsidecar.store.manifest import GenerationRecord
 from kvsidecar.store.naming import Generation, parse_snapshot_name, staging_filename

@@ -22,11 +22,11 @@ from pathlib import Path
 
 from kvsidecar.backend.base import SaveResult
 from kvsidecar.errors import DirMoved, KvError, SaveFailed, SnapshotCorrupt, SnapshotError
+from kvsidecar.files.confined import UNSAFE, UnsafeFile, describe, problem
 from kvsidecar.fingerprint.records import FingerprintRecords
 from kvsidecar.fingerprint.runtime import RuntimeFingerprint
 from kvsidecar.logs import event
 from kvsidecar.store.candidates import VerifiedFiles, file_id, verify_generation
-from kvsidecar.store.confined import UNSAFE, UnsafeFile, describe, problem
 from kvsidecar.store.integrity import Header, checksum_from_fd, header_from_fd
 from kvsidecar.store.layout import StoreLayout
 from kvsidecar.store.manifest import GenerationRecord, Manifest

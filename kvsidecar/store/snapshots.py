@@ -33,10 +33,10 @@ import psutil
 
 from kvsidecar.backend.base import SaveResult
 from kvsidecar.errors import DirMoved, Fenced, KvError, MetadataIO
+from kvsidecar.files.confined import DirAnchor
 from kvsidecar.fingerprint.records import FingerprintRecords
 from kvsidecar.fingerprint.runtime import RuntimeFingerprint
 from kvsidecar.store.candidates import Candidate, CandidateFinder, Rejection, VerifiedFiles
-from kvsidecar.store.confined import DirAnchor
 from kvsidecar.store.fence import FenceFiles
 from kvsidecar.store.layout import StoreLayout
 from kvsidecar.store.manifest import Manifest

@@ -27,9 +27,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvsidecar.errors import DirMoved, Fenced, KvError, ManifestInvalid, MetadataIO, SnapshotNotFound
+from kvsidecar.files.atomic import atomic_write_at
+from kvsidecar.files.confined import UNSAFE, lstat_at
 from kvsidecar.logs import event
-from kvsidecar.store.atomic import atomic_write_at
-from kvsidecar.store.confined import UNSAFE, lstat_at
 from kvsidecar.store.fence import FenceFiles
 from kvsidecar.store.layout import StoreLayout
 from kvsidecar.store.manifest import (

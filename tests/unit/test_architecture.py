@@ -12,80 +12,118 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "kvsidecar"
 
-# Lowest first. A top-level module or subpackage of kvsidecar is in exactly one layer; ARCHITECTURE.md
-# draws the same table.
+# Lowest first. Each top-level module or subpackage of kvsidecar is in exactly one layer; a module named
+# here (`api.bodies`) is a unit of its own, in its own layer. ARCHITECTURE.md draws the same table.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("kvsidecar", "errors", "logs", "metrics", "buildcheck", "defaults", "units"),  # base: no domain
-    ("config",),  # the configuration model and its file
+    ("config", "files", "backend", "client"),  # the config; touching files; llama-server's API; hook client
     (
-        "store",
         "fingerprint",
-        "backend",
-        "client",
-    ),  # snapshots on disk; runtime identity; llama-server; hook client
+    ),  # runtime identity: what the running llama-server is, and what a snapshot was saved under
+    ("store",),  # snapshots and their manifests on disk
     ("coordinator", "retention"),  # the decisions: slots, sessions, restore/save/erase; what to delete
-    ("http",),  # the HTTP machinery: route table, dispatcher, listener limits, OpenAPI
+    ("http", "api.bodies"),  # the HTTP machinery; the hook API's request bodies (fleet mode queues them)
     (
         "api",
         "proxy",
         "fleet",
         "doctor",
-    ),  # adapters: hook API, llama-server-compatible proxy, fleet, set-up checks
+    ),  # adapters: hook API, the llama-server-compatible proxy, fleet, checks
     ("daemon", "cli", "demo", "testing", "__main__"),  # composition roots: the daemon, the command, test rigs
 )
+_IMPORTERS = {"import_module", "__import__"}  # importlib.import_module("kvsidecar.x") is an import too
 
 
-def _modules() -> dict[str, Path]:
+def modules_of(package: Path) -> dict[str, Path]:
     out: dict[str, Path] = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         out[".".join(parts)] = path
     return out
 
 
-MODULES = _modules()
-
-
-def _resolve(name: str) -> str | None:
-    while name and name not in MODULES:
+def _resolve(modules: dict[str, Path], name: str) -> str | None:
+    while name and name not in modules:
         name = name.rpartition(".")[0]
     return name or None
 
 
-def _imports(module: str) -> Iterator[str]:
-    path = MODULES[module]
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                base = ".".join([*anchor, base] if base else anchor)
-            names = [
-                f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names
-            ]
-        else:
-            continue
-        for name in names:
-            target = _resolve(name)
-            if target is not None and target != module:
-                yield target
+def _named(node: ast.AST, module: str, package: str, modules: dict[str, Path]) -> list[str]:
+    """The modules one AST node imports: `import`, `from ... import` (relative too), or a call of
+    importlib.import_module / __import__ with a literal name."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            base = ".".join([*anchor, base] if base else anchor)
+        return [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+    if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        if name in _IMPORTERS and isinstance(node.args[0].value, str):
+            return [node.args[0].value]
+    return []
 
 
-GRAPH = {module: set(_imports(module)) for module in MODULES}
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, anywhere in its text."""
+    modules = modules_of(package)
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        pkg = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            for name in _named(node, module, pkg, modules):
+                target = _resolve(modules, name)
+                if target is not None and target != module:
+                    targets.add(target)
+        graph[module] = targets
+    return graph
+
+
+MODULES = modules_of(PACKAGE)
+GRAPH = import_graph(PACKAGE)
+
+
+def unit_of(module: str, layers: tuple[tuple[str, ...], ...] = LAYERS) -> tuple[str, int]:
+    """The layer member a module belongs to (the longest one naming it or a package above it) and its layer."""
+    parts = module.split(".")[1:] or [module]
+    for n in range(len(parts), 0, -1):
+        name = ".".join(parts[:n])
+        for index, members in enumerate(layers):
+            if name in members:
+                return name, index
+    raise AssertionError(f"{module} is in no layer: add `{parts[0]}` to LAYERS and to docs/ARCHITECTURE.md")
 
 
 def layer_of(module: str) -> int:
-    parts = module.split(".")
-    unit = parts[1] if len(parts) > 1 else parts[0]
-    for index, members in enumerate(LAYERS):
-        if unit in members:
-            return index
-    raise AssertionError(f"{module} is in no layer: add `{unit}` to LAYERS and to docs/ARCHITECTURE.md")
+    return unit_of(module)[1]
+
+
+def upward_imports(graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...] = LAYERS) -> list[str]:
+    return sorted(
+        f"{module} (layer {unit_of(module, layers)[1]}) imports {target} (layer {unit_of(target, layers)[1]})"
+        for module, targets in graph.items()
+        for target in targets
+        if unit_of(target, layers)[1] > unit_of(module, layers)[1]
+    )
+
+
+def unit_graph(
+    graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...] = LAYERS
+) -> dict[str, set[str]]:
+    """The same imports between layer members (subpackages, top-level modules, named modules)."""
+    units: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        unit = unit_of(module, layers)[0]
+        units.setdefault(unit, set()).update(
+            unit_of(t, layers)[0] for t in targets if unit_of(t, layers)[0] != unit
+        )
+    return units
 
 
 def test_every_module_has_a_layer() -> None:
@@ -94,13 +132,7 @@ def test_every_module_has_a_layer() -> None:
 
 
 def test_no_module_imports_a_higher_layer() -> None:
-    upward = sorted(
-        f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})"
-        for module, targets in GRAPH.items()
-        for target in targets
-        if layer_of(target) > layer_of(module)
-    )
-    assert upward == []
+    assert upward_imports(GRAPH) == []
 
 
 def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -150,6 +182,12 @@ def test_no_import_cycles() -> None:
     assert strongly_connected(GRAPH) == []
 
 
+def test_no_cycles_between_subpackages() -> None:
+    """Within a layer too, two subpackages never import each other (the store and the fingerprint, say):
+    each concern can be read, and changed, from the bottom up."""
+    assert strongly_connected(unit_graph(GRAPH)) == []
+
+
 @pytest.mark.parametrize(
     ("graph", "expected"),
     [
@@ -162,11 +200,39 @@ def test_the_cycle_finder_finds_cycles(graph: dict[str, set[str]], expected: lis
     assert strongly_connected(graph) == expected
 
 
-def test_the_layer_check_sees_an_upward_import() -> None:
-    """The check is not vacuous: the store really imports modules of its own layer, and a module of the
-    lowest layer importing the coordinator would be reported."""
-    assert "kvsidecar.store.confined" in GRAPH["kvsidecar.store.snapshots"]
-    assert layer_of("kvsidecar.coordinator.core") > layer_of("kvsidecar.errors")
+def test_the_checks_see_every_way_a_module_imports_another(tmp_path: Path) -> None:
+    """On a package made for the purpose: an upward import written relatively, a lazy one, one under
+    TYPE_CHECKING and one through importlib are all seen, and so are a module cycle and a unit cycle."""
+    pkg = tmp_path / "kvsidecar"
+    files = {
+        "__init__.py": "",
+        "errors.py": "from .daemon import service\n",  # relative, upward
+        "logs.py": "def f():\n    import importlib\n    importlib.import_module('kvsidecar.cli.main')\n",
+        "store/__init__.py": "",
+        "store/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvsidecar.fleet import x\n",
+        "store/b.py": "from kvsidecar.fingerprint import c\n",
+        "fingerprint/__init__.py": "",
+        "fingerprint/c.py": "from kvsidecar.store import a\n",  # a unit cycle, no module cycle
+        "fleet/__init__.py": "",
+        "fleet/x.py": "def g():\n    from kvsidecar.fleet import y\n",
+        "fleet/y.py": "import kvsidecar.fleet.x as x\n",  # a module cycle
+        "daemon/__init__.py": "",
+        "daemon/service.py": "",
+        "cli/__init__.py": "",
+        "cli/main.py": "",
+    }
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    layers = (("kvsidecar", "errors", "logs"), ("fingerprint", "store"), ("fleet",), ("daemon", "cli"))
+    graph = import_graph(pkg)
+    assert upward_imports(graph, layers) == [
+        "kvsidecar.errors (layer 0) imports kvsidecar.daemon.service (layer 3)",
+        "kvsidecar.logs (layer 0) imports kvsidecar.cli.main (layer 3)",
+        "kvsidecar.store.a (layer 1) imports kvsidecar.fleet.x (layer 2)",
+    ]
+    assert strongly_connected(graph) == [["kvsidecar.fleet.x", "kvsidecar.fleet.y"]]
+    assert strongly_connected(unit_graph(graph, layers)) == [["fingerprint", "store"]]
 
 
 def test_architecture_doc_names_every_subpackage() -> None:

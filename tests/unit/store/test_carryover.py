@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvsidecar.errors import DirMoved
+from kvsidecar.files.confined import DirAnchor
 from kvsidecar.store.carryover import RowsProof, Verdicts, build_only_difference, rows_match
-from kvsidecar.store.confined import DirAnchor
 from tests.unit.store.test_state_format import build
 
 OLD = {

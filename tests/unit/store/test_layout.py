@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.store.atomic import secure_directory
+from kvsidecar.files.atomic import secure_directory
 from kvsidecar.store.snapshots import SnapshotStore
 
 

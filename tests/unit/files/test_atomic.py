@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pyfakefs.fake_filesystem_unittest import Patcher
 
-from kvsidecar.store.atomic import TEMP_MARK, atomic_write_bytes, ensure_private_dir, sweep_temp_files
+from kvsidecar.files.atomic import TEMP_MARK, atomic_write_bytes, ensure_private_dir, sweep_temp_files
 
 
 class Crash(BaseException):

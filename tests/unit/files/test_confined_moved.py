@@ -23,9 +23,9 @@ from kvsidecar.coordinator.canary import CANARY_FILE, sweep_canary_files
 from kvsidecar.coordinator.state import Outcome
 from kvsidecar.doctor.checks import Doctor
 from kvsidecar.errors import DirMoved
+from kvsidecar.files.confined import UnsafeFile
 from kvsidecar.fingerprint.file_digests import FileDigestCache
 from kvsidecar.fingerprint.llama_process import ProcessInfo
-from kvsidecar.store.confined import UnsafeFile
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import SnapshotStore
 from tests.unit.coordinator_helpers import Harness, start_harness

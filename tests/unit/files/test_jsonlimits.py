@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvsidecar.store.jsonlimits import JsonLimitError, loads_capped, nesting_depth
+from kvsidecar.files.jsonlimits import JsonLimitError, loads_capped, nesting_depth
 
 
 @pytest.mark.parametrize(
