@@ -73,7 +73,9 @@ def run_in(tree: Path, calls: int, batches: int) -> float:
 def compare(rev: str, calls: int, batches: int, rounds: int) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         other = Path(tmp) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", str(other), rev], cwd=ROOT, check=True)
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(other), rev], cwd=ROOT, check=True, capture_output=True
+        )
         try:
             here: list[float] = []
             there: list[float] = []
@@ -81,7 +83,12 @@ def compare(rev: str, calls: int, batches: int, rounds: int) -> dict[str, object
                 there.append(run_in(other, calls, batches))
                 here.append(run_in(ROOT, calls, batches))
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=ROOT, check=True)
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(other)],
+                cwd=ROOT,
+                check=True,
+                capture_output=True,
+            )
     ratio = statistics.median(here) / statistics.median(there)
     return {"rev": rev, "here_us": here, "there_us": there, "ratio_of_medians": round(ratio, 3)}
 

@@ -43,15 +43,17 @@ def moment(
         owner = s.owner
         rt = sessions.get(owner)
         dirty = rt is not None and rt.dirty
+        # positional, in the field order of SlotFacts (the resident hot path reads this at every give-back;
+        # tests/unit/coordinator/test_facts.py checks it against the keyword form)
         slot = SlotFacts(
-            id=s.id,
-            owner=owner,
-            dirty=dirty,
-            free=s.free,
-            claimed=s.claimed_by is not None,
-            cleaning=s.holder == CLEANING,
-            aux=s.id == aux,
-            last_used_at=s.last_used_at,
+            s.id,
+            owner,
+            dirty,
+            s.free,
+            s.claimed_by is not None,
+            s.holder == CLEANING,
+            s.id == aux,
+            s.last_used_at,
         )
         slots.append(slot)
         if rt is not None and owner is not None and dirty:
@@ -65,23 +67,23 @@ def session_facts(
 ) -> SessionFacts:
     """`key`: rt.key, which callers mostly know already (it is a hash to compute)."""
     commit = rt.pending_commit
-    return SessionFacts(
-        key=key,
-        context_tokens=rt.context_tokens,
-        think_s=tuple(rt.think_s),
-        append_only=rt.append_only,
-        base_tokens=rt.base_tokens,
-        base_generation=rt.base_generation,
-        unsaved_age_s=rt.unsaved_age_s(now),
-        unsaved_turns=rt.unsaved_turns,
-        unsaved_tokens=rt.unsaved_tokens,
-        released_at=rt.released_at,
-        protect_tried=rt.protect_tried == rt.dirty_revision,
-        committing=commit is not None and not commit.done(),
-        clean_timer_pending=rt.clean_timer is not None,
-        clean_due_at=rt.clean_due_at,
-        cleaning=cleaning,
-        newest=newest,
+    return SessionFacts(  # positional, in the field order of SessionFacts (see `moment`)
+        key,
+        rt.context_tokens,
+        tuple(rt.think_s),
+        rt.append_only,
+        rt.base_tokens,
+        rt.base_generation,
+        rt.unsaved_age_s(now),
+        rt.unsaved_turns,
+        rt.unsaved_tokens,
+        rt.released_at,
+        rt.protect_tried == rt.dirty_revision,
+        commit is not None and not commit.done(),
+        rt.clean_timer is not None,
+        rt.clean_due_at,
+        cleaning,
+        newest,
     )
 
 
