@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import pytest
 from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import LlamaServer, vocab_dir
 from kvsidecar.testing.models import ModelShape, chat_template, generate_llama_model
+from kvsidecar.testing.poll import eventually
 from tests.integration.test_proxy_real import TOKEN, proxy_daemon
 from tests.unit.client_fixtures import Recorded, load
 
@@ -186,6 +187,10 @@ def test_no_step_computes_more_than_llama_server_alone(servers: Any, cache_ram: 
         assert status(d)["stats"]["shared_prefix_tokens"] > 0
 
 
+def saved_since(d: DaemonProcess, saves: int) -> bool:
+    return bool(status(d)["stats"]["saves"] > saves)
+
+
 def test_sessions_of_every_client_come_back_warm_after_a_restart(servers: Any) -> None:
     """`--cache-ram 0`: a turn of each client, a llama-server restart, the next turn: restored from the
     snapshot kvsidecar saved (aider's session is named by its content), and as warm as that turn is on a
@@ -205,10 +210,8 @@ def test_sessions_of_every_client_come_back_warm_after_a_restart(servers: Any) -
         warm = send(alone.base_url, client, second)
         send(d.proxy_url, client, first, token=TOKEN)
         saves = status(d)["stats"]["saves"]
-        deadline = time.monotonic() + 30
-        while status(d)["stats"]["saves"] == saves and time.monotonic() < deadline:
-            time.sleep(0.1)  # the idle checkpoint saves it
-        assert status(d)["stats"]["saves"] > saves, client
+        # the idle checkpoint saves it
+        eventually(partial(saved_since, d, saves), timeout_s=30, interval_s=0.1, what=f"{client}'s save")
         behind.stop()
         behind.start()
         back = send(d.proxy_url, client, second, token=TOKEN)

@@ -16,6 +16,7 @@ import pytest
 from kvsidecar.coordinator import decisions
 from kvsidecar.coordinator.costs import ServerCosts
 from kvsidecar.coordinator.state import Outcome, SessionRuntime
+from kvsidecar.testing.poll import until
 from tests.conftest import StartServer
 from tests.integration.real_helpers import RealHarness, erase, generate, prompt, real_harness
 
@@ -34,10 +35,8 @@ async def test_clean_ahead_then_the_switch_does_no_save(start_llama: StartServer
         await h.turn("A")
         rt = rt_of(h, "A")
         assert rt.clean_timer is not None  # armed for when A has idled as long as its save takes
-        deadline = asyncio.get_running_loop().time() + 30
-        while rt.dirty and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)  # the timer fires by itself: the server is idle
-        assert not rt.dirty
+        # the timer fires by itself: the server is idle
+        await until(lambda: not rt.dirty, timeout_s=30, interval_s=0.05, what="A's clean ahead")
         h.calls()
         r, *_ = await h.turn("B")
         assert r.outcome is Outcome.RESTORED and h.calls() == ["restore"]  # no save on the switch
@@ -86,8 +85,9 @@ async def test_own_request_during_its_background_save(start_llama: StartServer, 
         await h.turn("A")
         h.calls()
         cleaning = asyncio.ensure_future(h.coordinator.checkpoints.clean_ahead(rt_of(h, "A")))
-        while "save" not in h.backend.calls:
-            await asyncio.sleep(0.001)
+        await until(
+            lambda: "save" in h.backend.calls, timeout_s=30, interval_s=0.001, what="the save to start"
+        )
         r, _, pn, cn = await h.turn("A")  # arrives while its slot is being saved: waits, then resident
         assert await cleaning
         assert r.outcome is Outcome.RESIDENT and cn > pn > 0  # its own slot, the history reused
@@ -121,14 +121,13 @@ async def test_a_clean_ahead_found_busy_runs_when_the_other_slot_is_given_back(
         lease = await h.coordinator.acquire("B", provider="local", model="tiny")
         assert lease.lease_id is not None
         h.calls()
-        deadline = asyncio.get_running_loop().time() + 30
-        while a.clean_timer is not None and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.2)
+        await until(
+            lambda: a.clean_timer is None, timeout_s=30, interval_s=0.02, what="A's clean-ahead timer"
+        )
+        await asyncio.sleep(0.2)  # and nothing more happens while B's slot works
         assert a.clean_timer is None and a.dirty and h.calls() == []  # due, but B's slot is working
         await h.coordinator.release(lease.lease_id, status="aborted")
-        while a.dirty and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.02)
+        await until(lambda: not a.dirty, timeout_s=30, interval_s=0.02, what="A's save at the idle moment")
         assert not a.dirty and h.calls() == ["save"]
         r, _, pn, cn = await h.turn("C")
         assert r.outcome is Outcome.RESTORED and h.calls() == ["restore"]  # the switch paid no save

@@ -16,9 +16,16 @@ from kvsidecar.config import config_from_mapping
 from kvsidecar.daemon.service import build_server
 from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import LlamaServer, complete, free_port, words
+from kvsidecar.testing.poll import until
 from tests.conftest import StartServer
 
 TOKEN = "integration-token-0123456789"
+
+
+def started(uv: Any, task: asyncio.Future[Any]) -> bool:
+    """The listener serves; a server that ended before that fails the wait with its exception."""
+    assert not task.done(), task.exception()
+    return bool(uv.started)
 
 
 def daemon_config(server: LlamaServer, tmp_path: Path, port: int) -> dict[str, Any]:
@@ -41,9 +48,7 @@ async def running_daemon(server: LlamaServer, tmp_path: Path) -> AsyncIterator[s
     uv, socks, _ = build_server(config_from_mapping(daemon_config(server, tmp_path, port)))
     task = asyncio.ensure_future(uv.serve(sockets=socks))
     try:
-        while not uv.started:
-            assert not task.done(), task.exception()
-            await asyncio.sleep(0.01)
+        await until(lambda: started(uv, task), timeout_s=60, what="uvicorn to serve")
         yield f"http://127.0.0.1:{port}"
     finally:
         uv.should_exit = True

@@ -25,6 +25,12 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 BODY = {"provider": "local", "model": "tiny"}
 
 
+def started(uv: Any, task: asyncio.Future[Any]) -> bool:
+    """The listener serves; a server that ended before that fails the wait with its exception."""
+    assert not task.done(), task.exception()
+    return bool(uv.started)
+
+
 @asynccontextmanager
 async def daemon_on(server: LlamaServer, tmp_path: Path, **api: Any) -> AsyncIterator[tuple[str, Daemon]]:
     (tmp_path / "token").write_text(TOKEN)
@@ -46,9 +52,7 @@ async def daemon_on(server: LlamaServer, tmp_path: Path, **api: Any) -> AsyncIte
     uv, socks, daemon = build_server(config)
     task = asyncio.ensure_future(uv.serve(sockets=socks))
     try:
-        while not uv.started:
-            assert not task.done(), task.exception()
-            await asyncio.sleep(0.01)
+        await until(lambda: started(uv, task), timeout_s=60, what="uvicorn to serve")
         yield f"http://127.0.0.1:{port}", daemon
     finally:
         uv.should_exit = True

@@ -16,6 +16,7 @@ import pytest
 
 from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import LlamaServer, words
+from kvsidecar.testing.poll import eventually
 from tests.conftest import StartServer
 
 TOKEN = "proxy-token-0123456789abcdef"
@@ -124,11 +125,8 @@ def test_client_cancellation_mid_stream_releases_the_lease(setup: Setup) -> None
         assert r.headers["x-kv-outcome"] == "cold"
         first = next(r.iter_lines())
         assert first.startswith("data: ")
-    for _ in range(100):  # the release happens when the proxy notices the disconnect
-        if setup.status()["leases"] == 0:
-            break
-        time.sleep(0.05)
-    assert setup.status()["leases"] == 0
+    # the release happens when the proxy notices the disconnect
+    eventually(lambda: setup.status()["leases"] == 0, timeout_s=5, what="the lease's release")
     r2 = httpx.post(
         f"{setup.proxy}/completion",
         json={"prompt": "after", "n_predict": 2},
