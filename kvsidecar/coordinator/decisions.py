@@ -232,13 +232,18 @@ def working(server: ServerFacts, but: int | None = None) -> bool:
     return any(not s.free for s in server.slots if s.id != but)
 
 
-def clean_due(sessions: Mapping[str, SessionFacts], now: float) -> bool:
-    """Whether `clean_next` could pick any of these sessions at all (one whose clean ahead came due, with
-    no timer of its own to come): when none could, the demand it weighs need not be counted."""
-    return any(
+def _came_due(s: SessionFacts, now: float) -> bool:
+    """Its clean ahead came due and is not under way. Not while its own timer is still to come (it checks
+    then), nor once a request voided it (`clean_due_at` None)."""
+    return (
         s.clean_due_at is not None and not s.clean_timer_pending and not s.cleaning and now >= s.clean_due_at
-        for s in sessions.values()
     )
+
+
+def clean_due(sessions: Mapping[str, SessionFacts], now: float) -> bool:
+    """Whether `clean_next` could pick any of these sessions at all: when none could, the demand it weighs
+    need not be counted."""
+    return any(_came_due(s, now) for s in sessions.values())
 
 
 def clean_next(
@@ -251,9 +256,7 @@ def clean_next(
     slots = {s.id: s for s in server.slots}
     for slot_id in next_victims(server):
         rt = sessions.get(slots[slot_id].owner or "")
-        if rt is None or rt.clean_timer_pending or rt.clean_due_at is None:
-            continue  # its own timer is still to come (and will check then), or a request voided it
-        if not rt.cleaning and now >= rt.clean_due_at:
+        if rt is not None and _came_due(rt, now):
             return rt.key
     return None
 

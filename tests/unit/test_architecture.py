@@ -50,7 +50,7 @@ def _resolve(modules: dict[str, Path], name: str) -> str | None:
     return name or None
 
 
-def _named(node: ast.AST, module: str, package: str, modules: dict[str, Path]) -> list[str]:
+def _named(node: ast.AST, package: str, modules: dict[str, Path]) -> list[str]:
     """The modules one AST node imports: `import`, `from ... import` (relative too), or a call of
     importlib.import_module / __import__ with a literal name."""
     if isinstance(node, ast.Import):
@@ -77,7 +77,7 @@ def import_graph(package: Path) -> dict[str, set[str]]:
         pkg = module if path.name == "__init__.py" else module.rpartition(".")[0]
         targets = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            for name in _named(node, module, pkg, modules):
+            for name in _named(node, pkg, modules):
                 target = _resolve(modules, name)
                 if target is not None and target != module:
                     targets.add(target)
