@@ -252,8 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         type=config_arg,  # a str: `config init -c DIR/` must see the trailing slash to refuse it
         default=None,
-        help="config file (default: $KVSIDECAR_CONFIG, else the first of ~/.config/kvsidecar/config.yaml "
-        "and /etc/kvsidecar/config.yaml that exists, else the built-in defaults)",
+        help="config file (default: $KVSIDECAR_CONFIG, else the first that exists of "
+        "($XDG_CONFIG_HOME or ~/.config)/kvsidecar/config.yaml and /etc/kvsidecar/config.yaml, in that "
+        "order for root too, else the built-in defaults; `config init` writes the first)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add(

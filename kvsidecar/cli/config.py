@@ -1,5 +1,6 @@
-"""`kvsidecar config ...`: init (write the commented default config), check (every problem at once, and
-where the config came from), schema (its JSON Schema, for editors).
+"""`kvsidecar config ...`: init (write the commented default config where `serve` reads it first, and make
+the directories it names), check (every problem at once, and where the config came from), schema (its JSON
+Schema, for editors).
 
 The default config ships in the package (`kvsidecar/defaults/config.yaml`, the same bytes as the
 repository's config.yaml), so a pip-installed kvsidecar can write it without the git checkout.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 from importlib.resources import files
 from pathlib import Path
@@ -17,7 +19,7 @@ from typing import Any, TypeAlias
 
 import pydantic
 
-from kvsidecar.config import DEFAULT_CONFIG_PATH, Config, config_search_paths, find_config, read_config
+from kvsidecar.config import Config, config_search_paths, find_config, read_config
 from kvsidecar.config.errors import ConfigInvalid
 from kvsidecar.errors import ConfigError, ConfigExists
 from kvsidecar.files.atomic import atomic_write_bytes
@@ -25,7 +27,8 @@ from kvsidecar.files.atomic import atomic_write_bytes
 _Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 CONFIG_MODE = 0o640  # the service's group may read it; it names paths and token files, not secrets
-DIR_MODE = 0o750  # a directory `config init --path` creates for it
+DIR_MODE = 0o750  # each directory `config init` creates above the config file (its group may enter)
+DATA_DIR_MODE = 0o700  # each directory it creates for the state and the snapshots (transcripts)
 SCHEMA_ID = "https://json-schema.org/draft/2020-12/schema"
 
 
@@ -81,10 +84,12 @@ def _names_a_directory(text: str) -> bool:
 
 
 def init_path(args: argparse.Namespace, env: dict[str, str] | os._Environ[str]) -> Path:
-    """--path, else -c, else $KVSIDECAR_CONFIG, else where `check` and `serve` look first for this user:
-    /etc/kvsidecar/config.yaml for root, ($XDG_CONFIG_HOME or ~/.config)/kvsidecar/config.yaml otherwise.
-    A --path that ends with a separator or names an existing directory means DIR/config.yaml; -c and
-    $KVSIDECAR_CONFIG name the file itself (check and serve read it), so a directory there is refused."""
+    """--path, else -c, else $KVSIDECAR_CONFIG, else exactly where `check` and `serve` look first for this
+    user, root included (`config_search_paths`: ($XDG_CONFIG_HOME or ~/.config)/kvsidecar/config.yaml, and
+    /etc/kvsidecar/config.yaml only when there is no usable home): a file written elsewhere could be
+    overridden without a word by one found earlier. A --path that ends with a separator or names an
+    existing directory means DIR/config.yaml; -c and $KVSIDECAR_CONFIG name the file itself (check and
+    serve read it), so a directory there is refused."""
     if args.path is not None:
         if not args.path:
             raise ConfigError("--path is empty", hint="Name a file, or a directory ending with /.")
@@ -98,22 +103,61 @@ def init_path(args: argparse.Namespace, env: dict[str, str] | os._Environ[str]) 
         )
     if chosen:
         return Path(chosen)
-    return DEFAULT_CONFIG_PATH if os.geteuid() == 0 else config_search_paths(env)[0]
+    return config_search_paths(env)[0]
 
 
-def _make_parent(path: Path, *, only_last: bool) -> None:
-    """An explicit --path gets at most its own directory made (0750, the config's group may enter it):
-    a missing grandparent is more likely a typo than a tree to create. The default location is made
-    whole (a new user may not have ~/.config yet)."""
-    if only_last and not path.parent.is_dir() and not path.parent.parent.is_dir():
-        raise ConfigError(
-            f"{path.parent.parent}: no such directory; only the last directory of --path is created",
-            hint="Create the directories above it first, or choose another --path.",
-        )
-    if only_last:
-        path.parent.mkdir(exist_ok=True, mode=DIR_MODE)
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+def make_dirs(directory: Path, mode: int) -> list[Path]:
+    """`directory` and every missing directory above it, each created with exactly `mode` (set on the
+    directory we made, through a descriptor that refuses a link: the umask cannot loosen or tighten it).
+    An existing one is left as it is, a link to a directory included (~/.config may be one); a component
+    that exists and is not a directory, or a link that leads nowhere, is refused. The ones created, outermost
+    first."""
+    missing: list[Path] = []
+    at = directory
+    while True:
+        try:
+            found = os.stat(at)  # follows a link: one to a directory is a directory
+        except NotADirectoryError:  # a file above it: found (and named) further up
+            missing.clear()
+            at = at.parent
+            continue
+        except FileNotFoundError:
+            if os.path.lexists(at):
+                raise ConfigError(f"{at}: a link that leads nowhere; nothing created there") from None
+            missing.append(at)
+            at = at.parent
+            continue
+        except OSError as exc:
+            raise ConfigError(f"{at}: cannot be used as a directory ({exc.strerror})") from None
+        if not stat.S_ISDIR(found.st_mode):
+            raise ConfigError(f"{at}: exists and is not a directory", hint="Choose another path.")
+        break
+    created = []
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, mode)
+        except FileExistsError:  # made meanwhile: used if it is a directory, as one found above would be
+            if not path.is_dir():
+                raise ConfigError(f"{path}: exists and is not a directory") from None
+            continue
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot create the directory ({exc.strerror})") from None
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        created.append(path)
+    return created
+
+
+def _data_dirs(path: Path) -> list[tuple[str, Path]]:
+    """The directories the config at `path` names for the daemon (as `serve` would read it: the
+    environment's overrides included): llama-server's --slot-save-path must exist before it starts."""
+    config, _ = read_config(path)
+    named = [("state_dir", config.state_dir)]
+    named += [(f"servers.{n}.snapshot_dir", s.snapshot_dir) for n, s in config.servers.items()]
+    return named
 
 
 def cmd_config_init(args: argparse.Namespace) -> int:
@@ -122,8 +166,8 @@ def cmd_config_init(args: argparse.Namespace) -> int:
         raise ConfigExists(f"{path} already exists; nothing written")
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise ConfigError(f"{path}: not a regular file; refusing to replace it")
+    make_dirs(path.parent, DIR_MODE)
     try:
-        _make_parent(path, only_last=args.path is not None)
         atomic_write_bytes(path, default_config_text(), mode=CONFIG_MODE)
         os.chmod(path, CONFIG_MODE)  # the umask may have taken bits off at create
     except OSError as exc:
@@ -131,6 +175,14 @@ def cmd_config_init(args: argparse.Namespace) -> int:
             f"{path}: cannot write ({exc.strerror})", hint="Choose a --path you can write."
         ) from None
     print(f"wrote {path} (the defaults, every key commented)")
+    if not args.no_dirs:
+        for key, directory in _data_dirs(path):
+            try:
+                made = make_dirs(directory, DATA_DIR_MODE)
+            except ConfigError as exc:
+                exc.hint = f"{path} was written; fix {key} in it (or the path), then run config init again."
+                raise
+            print(f"{key}: {directory}" + (" (created, 0700)" if made else " (exists)"))
     print(f"next: edit it, then: kvsidecar -c {path} config check")
     return 0
 
@@ -181,16 +233,23 @@ def add_config_commands(sub: _Commands) -> None:
     init = cfg.add_parser(
         "init",
         help="write the commented default config (refuses to overwrite without --force)",
-        description="Write the commented default config.yaml (mode 0640, atomically).",
+        description="Write the commented default config.yaml (mode 0640, atomically) where check and serve "
+        "read it first, and create the state and snapshot directories it names (0700) unless --no-dirs.",
     )
     init.add_argument(
         "--path",
-        help="where to write; a directory (DIR/, or one that exists) means DIR/config.yaml, and only "
-        "its last directory is created (0750); a leading ~ is expanded as a shell would (default: -c, "
-        "$KVSIDECAR_CONFIG, or the first place check/serve look: /etc/kvsidecar/config.yaml as root, "
-        "else ~/.config)",
+        help="where to write; a directory (DIR/, or one that exists) means DIR/config.yaml; missing "
+        "directories above it are created (0750); a leading ~ is expanded as a shell would (default: -c, "
+        "$KVSIDECAR_CONFIG, or the first place check and serve look, for root too: "
+        "($XDG_CONFIG_HOME or ~/.config)/kvsidecar/config.yaml, then /etc/kvsidecar/config.yaml)",
     )
     init.add_argument("--force", action="store_true", help="replace an existing file")
+    init.add_argument(
+        "--no-dirs",
+        action="store_true",
+        help="do not create the state_dir and snapshot_dir the config names (for a config whose "
+        "directories you will set yourself, such as a service's under /var/lib)",
+    )
     init.set_defaults(func=cmd_config_init)
     check = cfg.add_parser("check", help="validate the config file: every bad key, and where it came from")
     check.add_argument("--json", action="store_true", help="print the effective configuration")

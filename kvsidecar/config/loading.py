@@ -1,8 +1,8 @@
 """Finding, reading and validating the config file: `load_config()` is the only entry point. Where a file
-is looked for (`-c`, `$KVSIDECAR_CONFIG`, the user's then the system's path), the environment overrides
-(`KVSIDECAR_TOKEN_FILE`: api.token_file, `KVSIDECAR_STATE_DIR`: state_dir), and the dropping of removed
-keys before validation. Any problem raises `ConfigError` (`ConfigInvalid` with every problem), never a
-traceback."""
+is looked for (`-c`, `$KVSIDECAR_CONFIG`, then the user's path and the system's, in that order for root
+too), the environment overrides (`KVSIDECAR_TOKEN_FILE`: api.token_file, `KVSIDECAR_STATE_DIR`:
+state_dir), and the dropping of removed keys before validation. Any problem raises `ConfigError`
+(`ConfigInvalid` with every problem), never a traceback."""
 
 from __future__ import annotations
 
@@ -46,9 +46,13 @@ def config_from_mapping(data: dict[str, Any]) -> Config:
 
 
 def config_search_paths(env: Mapping[str, str]) -> tuple[Path, ...]:
-    """Where a config file is looked for when none is named (-c, $KVSIDECAR_CONFIG): the user's
-    ($XDG_CONFIG_HOME or ~/.config)/kvsidecar/config.yaml, then /etc/kvsidecar/config.yaml."""
-    base = env.get("XDG_CONFIG_HOME") or (f"{env['HOME']}/.config" if env.get("HOME") else "")
+    """Where a config file is looked for when none is named (-c, $KVSIDECAR_CONFIG), in this order, for
+    every user, root included: the user's ($XDG_CONFIG_HOME or ~/.config)/kvsidecar/config.yaml, then
+    /etc/kvsidecar/config.yaml. `config init` without --path writes the first of them, so the file it
+    writes is the one `check` and `serve` read. A relative $XDG_CONFIG_HOME or $HOME is ignored (the XDG
+    rule: it would name another file in every working directory)."""
+    xdg, home = env.get("XDG_CONFIG_HOME", ""), env.get("HOME", "")
+    base = xdg if xdg.startswith("/") else f"{home}/.config" if home.startswith("/") else ""
     user = (Path(base) / "kvsidecar" / "config.yaml",) if base else ()
     return (*user, DEFAULT_CONFIG_PATH)
 

@@ -1,10 +1,16 @@
-"""The README's Python example runs as written (watchfiles tests its docs the same way).
+"""The README's Python example runs as written (watchfiles tests its docs the same way), and so do the
+commands of its "Running it" on a fresh HOME.
 
 Its ```python block is compiled from README.md itself, with the placeholders a harness would fill in
 (`token`, `session_id`, `prompt`), and run (in a worker thread: the client is blocking) against the daemon
 serving on a loopback port with the fake backend, its `httpx.post` to llama-server's /completion answered by
 the fake: a change to the client's API that the README does not follow fails here.
 tests/integration/test_readme_real.py runs the same block against a real llama-server.
+
+"Running it" is run by bash as a new user would type it, on a fresh HOME, with `llama-server` a stand-in
+that does what the real one does first (it exits "not a directory" when --slot-save-path is missing) and
+`kvsidecar serve` replaced by `kvsidecar config check` (the integration test runs the real daemon and the
+real llama-server).
 """
 
 from __future__ import annotations
@@ -13,7 +19,11 @@ import ast
 import asyncio
 import contextlib
 import inspect
+import os
 import re
+import stat
+import subprocess
+import sys
 import typing
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -26,7 +36,7 @@ import pytest
 
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.client import Lease
-from kvsidecar.config import ApiConfig
+from kvsidecar.config import ApiConfig, load_config
 from kvsidecar.coordinator.core import EventType
 from kvsidecar.coordinator.state import Outcome
 from kvsidecar.daemon.service import Daemon, build_server
@@ -188,3 +198,85 @@ def test_the_example_names_only_real_outcomes_and_events() -> None:
 def test_python_blocks_are_found_with_their_line_numbers() -> None:
     text = "intro\n```python\nx = 1\n```\n```bash\nls\n```\n```python\ny = 2\nz = 3\n```\n"
     assert python_blocks(text) == [Example(3, "x = 1\n"), Example(9, "y = 2\nz = 3\n")]
+
+
+# "Running it" -------------------------------------------------------------------------------------------
+def running_it() -> str:
+    """The first ```bash block under README's "## Running it"."""
+    text = README.read_text()
+    section = text[text.index("\n## Running it\n") :]
+    found = re.search(r"^```bash\n(.*?)^```$", section, re.MULTILINE | re.DOTALL)
+    assert found is not None, 'README\'s "Running it" has no ```bash block'
+    return found.group(1)
+
+
+def save_path_of(command_line: str) -> str:
+    found = re.search(r"--slot-save-path\s+(\S+)", command_line)
+    assert found is not None, "README starts llama-server without --slot-save-path"
+    return found.group(1)
+
+
+def fresh_user(tmp_path: Path, bin_dir: Path) -> dict[str, str]:
+    """The environment of a user who never ran kvsidecar: an empty HOME, our stand-ins first on PATH."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSIDECAR_", "XDG_"))}
+    return env | {"HOME": str(home), "PATH": f"{bin_dir}:{env.get('PATH', '')}"}
+
+
+def stand_in(bin_dir: Path, name: str, script: str) -> None:
+    bin_dir.mkdir(exist_ok=True)
+    path = bin_dir / name
+    path.write_text("#!/bin/bash\n" + script)
+    path.chmod(0o755)
+
+
+def test_running_it_works_as_written_on_a_fresh_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bin_dir, record = tmp_path / "bin", tmp_path / "llama-server.record"
+    stand_in(
+        bin_dir,
+        "llama-server",
+        # llama-server's own first check (common/arg.cpp): the save path must be an existing directory
+        f"""while [ $# -gt 0 ]; do [ "$1" = --slot-save-path ] && dir="$2"; shift; done
+if [ -d "$dir" ]; then echo "started $dir" > {record}; else echo "not a directory: $dir" > {record}; exit 1; fi
+""",
+    )
+    stand_in(
+        bin_dir,
+        "kvsidecar",
+        f"""[ "$1" = serve ] && set -- config check  # no daemon in a unit test: it reads what serve would
+exec {sys.executable} -m kvsidecar "$@"
+""",
+    )
+    env = fresh_user(tmp_path, bin_dir)
+    work = tmp_path / "work"  # an empty working directory: nothing of the checkout is there
+    work.mkdir()
+    block = running_it()
+    done = subprocess.run(
+        ["bash", "-e", "-c", block + "\nwait $!\n"],  # the last background job: llama-server
+        cwd=work,
+        env=env | {"PYTHONPATH": str(README.parent)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    home = Path(env["HOME"])
+    save_dir = Path(save_path_of(block).replace("~", str(home), 1))
+    assert record.read_text().split() == ["started", str(save_dir)]
+    config_file = home / ".config/kvsidecar/config.yaml"
+    assert f"config file: {config_file}" in done.stdout and "config OK" in done.stdout
+    monkeypatch.setenv("HOME", str(home))  # the config's `~` is that user's
+    config = load_config(config_file, env={})
+    assert config.servers["local"].snapshot_dir == save_dir  # kvsidecar manages what llama-server saves
+    for made in (save_dir, config.state_dir, home / ".local/state/kvsidecar"):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o700, made
+    assert list(work.iterdir()) == []
+
+
+def test_running_it_starts_llama_server_only_after_its_save_directory_exists() -> None:
+    """The order the README gives: whatever makes the snapshot directory comes before llama-server."""
+    lines = [line for line in running_it().splitlines() if line.strip() and not line.startswith(" ")]
+    llama = next(i for i, line in enumerate(lines) if line.startswith("llama-server "))
+    assert any(line.startswith("kvsidecar config init") for line in lines[:llama]), lines
+    assert "--no-dirs" not in " ".join(lines[:llama])

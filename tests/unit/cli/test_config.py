@@ -3,6 +3,7 @@ facts a pip user depends on (package data, the lowest dependency set)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -13,9 +14,9 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from kvsidecar.cli import main
-from kvsidecar.cli.config import default_config_text, schema
-from kvsidecar.config import Config, ServerConfig, config_from_mapping
+from kvsidecar.cli import build_parser, main
+from kvsidecar.cli.config import default_config_text, init_path, schema
+from kvsidecar.config import Config, ServerConfig, config_from_mapping, config_search_paths
 from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.fingerprint.savepath import SAVE_PATH_MISMATCH, log_save_path_warnings, save_path_warning
 
@@ -65,13 +66,103 @@ def test_init_never_writes_through_a_link(tmp_path: Path, capsys: pytest.Capture
 def test_init_without_path_writes_where_check_looks_first(
     home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if os.geteuid() == 0:
-        pytest.skip("as root the default is /etc/kvsidecar/config.yaml, not touched by a unit test")
     assert main(["config", "init"]) == 0
     assert (home / ".config/kvsidecar/config.yaml").read_bytes() == default_config_text()
     capsys.readouterr()
     assert main(["config", "check"]) == 0
     assert f"config file: {home}/.config/kvsidecar/config.yaml" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("euid", [0, 1000], ids=["root", "user"])
+def test_init_writes_exactly_the_file_serve_reads_first_for_root_too(
+    home: Path, monkeypatch: pytest.MonkeyPatch, euid: int
+) -> None:
+    """A root user's init file written to /etc would be overridden without a word by one in ~/.config,
+    which serve reads first: init writes the first place serve looks, whoever runs it."""
+    monkeypatch.setattr(os, "geteuid", lambda: euid)
+    args = build_parser().parse_args(["config", "init"])
+    env = {"HOME": str(home)}
+    assert init_path(args, env) == config_search_paths(env)[0] == home / ".config/kvsidecar/config.yaml"
+    xdg = {"HOME": str(home), "XDG_CONFIG_HOME": str(home / "xdg")}
+    assert init_path(args, xdg) == config_search_paths(xdg)[0] == home / "xdg/kvsidecar/config.yaml"
+    # no usable home (a service's environment): /etc is then the first place, for init and serve alike
+    for bare in ({}, {"HOME": "relative/home"}, {"HOME": str(home), "XDG_CONFIG_HOME": "rel"}):
+        first = init_path(args, bare)
+        assert first == config_search_paths(bare)[0]
+        assert first in (Path("/etc/kvsidecar/config.yaml"), home / ".config/kvsidecar/config.yaml")
+    assert init_path(args, {}) == Path("/etc/kvsidecar/config.yaml")
+
+
+def test_init_on_a_fresh_home_makes_the_directories_llama_server_needs(
+    home: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README's "Running it" starts llama-server with --slot-save-path ~/.local/state/kvsidecar/snapshots
+    right after `config init`: the directory must exist (llama-server exits "not a directory"), private."""
+    old = os.umask(0o022)
+    try:
+        assert main(["config", "init"]) == 0
+    finally:
+        os.umask(old)
+    out = capsys.readouterr().out
+    for sub in (".config", ".config/kvsidecar"):
+        assert stat.S_IMODE((home / sub).stat().st_mode) == 0o750
+    for sub in (".local", ".local/state", ".local/state/kvsidecar", ".local/state/kvsidecar/snapshots"):
+        assert stat.S_IMODE((home / sub).stat().st_mode) == 0o700, sub
+    assert (home / ".local/state/kvsidecar/state").is_dir()
+    assert f"servers.local.snapshot_dir: {home}/.local/state/kvsidecar/snapshots (created, 0700)" in out
+    # an existing directory is left as it is; --no-dirs makes none
+    os.chmod(home / ".local/state/kvsidecar/snapshots", 0o2770)
+    assert main(["config", "init", "--force"]) == 0
+    assert stat.S_IMODE((home / ".local/state/kvsidecar/snapshots").stat().st_mode) == 0o2770
+    assert "(exists)" in capsys.readouterr().out
+    other = home / "other"
+    other.mkdir()
+    monkeypatch.setenv("HOME", str(other))
+    assert main(["config", "init", "--no-dirs"]) == 0
+    assert (other / ".config/kvsidecar/config.yaml").is_file() and not (other / ".local").exists()
+
+
+def test_init_refuses_a_file_where_a_data_directory_goes(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (home / ".local/state").mkdir(parents=True)
+    (home / ".local/state/kvsidecar").write_text("not a directory")
+    assert main(["config", "init"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "KV_CONFIG_INVALID" in err and f"{home}/.local/state/kvsidecar: exists and is not a directory" in err
+    )
+
+
+def test_every_text_gives_the_search_order_serve_uses() -> None:
+    """-c's help, config init's help, README and the docs say what config_search_paths does: the user's
+    file first, then /etc, for root too; none says init writes /etc as root."""
+    parser = build_parser()
+    helps = parser.format_help() + _subcommand_help(parser, "config", "init")
+    texts = {
+        "help": helps,
+        **{
+            str(p.relative_to(REPO)): p.read_text()
+            for p in [REPO / "README.md", *(REPO / "docs").glob("*.md")]
+        },
+    }
+    flat = {name: " ".join(text.split()) for name, text in texts.items()}
+    for name, text in flat.items():
+        assert "/etc/kvsidecar/config.yaml as root" not in text, name
+        assert "as root, otherwise" not in text, name
+    assert (
+        "($XDG_CONFIG_HOME or ~/.config)/kvsidecar/config.yaml and /etc/kvsidecar/config.yaml" in flat["help"]
+    )
+    assert "for root too" in flat["help"]
+    readme = flat["README.md"]
+    assert readme.index("`~/.config/kvsidecar/config.yaml`") < readme.index("`/etc/kvsidecar/config.yaml`")
+
+
+def _subcommand_help(parser: argparse.ArgumentParser, *names: str) -> str:
+    for name in names:
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = action.choices[name]
+    return parser.format_help()
 
 
 # config check ---------------------------------------------------------------------------------------

@@ -172,15 +172,26 @@ def test_init_path_naming_an_existing_directory_writes_config_yaml_inside(tmp_pa
     assert stat.S_IMODE(target.stat().st_mode) == 0o755  # an existing directory is left as it is
 
 
-def test_init_path_creates_only_the_last_missing_directory(
+def test_init_path_creates_every_missing_directory_0750_and_nothing_through_a_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["config", "init", "--path", str(tmp_path / "typo" / "deeper" / "config.yaml")]) == 2
-    err = capsys.readouterr().err
-    assert "KV_CONFIG_INVALID" in err and f"{tmp_path / 'typo'}: no such directory" in err
-    assert list(tmp_path.iterdir()) == []
-    assert main(["config", "init", "--path", str(tmp_path / "one" / "config.yaml")]) == 0
-    assert stat.S_IMODE((tmp_path / "one").stat().st_mode) == 0o750
+    """A fresh HOME has no ~/.config: `--path ~/.config/kvsidecar/config.yaml` makes each missing directory
+    (0750 whatever the umask), and stops at a component that is a file or a link to nothing."""
+    old = os.umask(0o077)
+    try:
+        assert main(["config", "init", "--no-dirs", "--path", str(tmp_path / "a" / "b" / "config.yaml")]) == 0
+    finally:
+        os.umask(old)
+    for made in (tmp_path / "a", tmp_path / "a" / "b"):
+        assert made.is_dir() and stat.S_IMODE(made.stat().st_mode) == 0o750
+    assert (tmp_path / "a" / "b" / "config.yaml").read_bytes() == default_config_text()
+    (tmp_path / "file").write_text("x")
+    assert main(["config", "init", "--path", str(tmp_path / "file" / "sub" / "config.yaml")]) == 2
+    assert f"{tmp_path / 'file'}: " in capsys.readouterr().err
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    assert main(["config", "init", "--path", str(tmp_path / "dangling" / "config.yaml")]) == 2
+    assert "a link that leads nowhere" in capsys.readouterr().err
+    assert not (tmp_path / "nowhere").exists()
 
 
 def test_init_refuses_a_directory_given_as_the_config_file(
