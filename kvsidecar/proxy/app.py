@@ -24,8 +24,9 @@ the same prompt), pins it and sends it to `/v1/chat/completions`, and turns the 
 Anthropic message or event stream (`kvsidecar.proxy.forward`). It does so on every pool size, one slot
 included, so a session's KV is the same whatever `--parallel` is. A request that cannot be converted is an
 Anthropic-shaped 400 before any slot is acquired. `/v1/messages/count_tokens` runs on no slot and passes
-through. `HEAD /` (Claude Code's first request, with no credentials) is answered here, 404 with no body as
-llama-server answers it, and reaches nothing. The proxy's token is accepted as `Authorization: Bearer
+through. Claude Code's reachability probes (`HEAD /` in 2.1.197, `HEAD /api/hello` in 2.1.332; no
+credentials) are answered here, 404 with no body as llama-server answers them, before the token check,
+and reach nothing. The proxy's token is accepted as `Authorization: Bearer
 <token>` or `X-Api-Key: <token>` (a request with both must carry it in both); neither is forwarded.
 
 Routes where llama-server ignores `id_slot` (embeddings, rerank, transcriptions, ...)
@@ -60,6 +61,7 @@ from kvsidecar.backend.llama_http import (
     PUBLIC_PATHS,
     RouteKind,
     classify,
+    llama_path,
     pin,
     read_api_key,
 )
@@ -91,6 +93,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvsidecar.proxy")
 AUX_PURPOSE = "proxy"
+# Claude Code's reachability probes (HEAD, no credentials): `/` in 2.1.197, `/api/hello` in 2.1.332. Matched
+# on the path as llama-server decodes it; llama-server answers both 404.
+PROBES = frozenset({"/", "/api/hello"})
 
 
 class _Sent:
@@ -185,7 +190,7 @@ class Proxy:
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw_path = scope.get("raw_path") or scope["path"].encode("utf-8")
         route = classify(scope["method"], raw_path)
-        probe = scope["method"] == "HEAD" and raw_path == b"/"  # Claude Code's first request, no token
+        probe = scope["method"] == "HEAD" and llama_path(raw_path) in PROBES  # Claude Code's, no token
         public = probe or (route is not None and route[0] in PUBLIC_PATHS)
         headers = dict(scope.get("headers", []))
         refusal = refuse(

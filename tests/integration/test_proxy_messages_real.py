@@ -2,7 +2,8 @@
 proxy in front of a real llama-server with `--parallel 2` (`--jinja`, llama.cpp's Qwen3-Coder.jinja,
 `--cache-ram 0`, so any reuse is the slot's own KV): two conversations interleaved, each pinned to its
 session's slot, the second turn reusing the first's prompt, answers valid Anthropic messages and event
-streams, streamed and not; `HEAD /` answered as llama-server answers it; the token as `X-Api-Key`."""
+streams, streamed and not; `HEAD /` and `HEAD /api/hello` answered as llama-server answers them; the token
+as `X-Api-Key`."""
 
 from __future__ import annotations
 
@@ -103,8 +104,10 @@ def sessions(pool: Pool) -> dict[str, Any]:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_claude_code_runs_pinned_on_a_pool(pool: Pool, stream: bool) -> None:
-    head = httpx.head(f"{pool.daemon.proxy_url}/", timeout=30)  # Claude Code's first request, no token
-    assert head.status_code == 404 and head.content == b""
+    for probe in ("/", "/api/hello"):  # Claude Code's first request (2.1.197, 2.1.332), no token
+        head = httpx.head(f"{pool.daemon.proxy_url}{probe}", timeout=30)
+        alone = httpx.head(f"{pool.llama.base_url}{probe}", timeout=30)
+        assert head.status_code == alone.status_code == 404 and head.content == alone.content == b""
     # two conversations, interleaved: each turn goes to its own session's slot
     a1 = send(pool, "ui_turn1", stream=stream)
     b1 = send(pool, "p_turn1", stream=stream)

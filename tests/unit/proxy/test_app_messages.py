@@ -1,6 +1,6 @@
 """Issue 28 item 4, Claude Code on a pool: `/v1/messages` through the proxy is converted to a chat completion
 pinned to the session's slot (`kvsidecar.proxy_anthropic`), on `--parallel 2` as on one slot; its answer
-comes back in Anthropic's shape, streamed and not; `HEAD /` is answered locally; the proxy's token is
+comes back in Anthropic's shape, streamed and not; `HEAD /` and `HEAD /api/hello` are answered locally; the proxy's token is
 accepted as `Authorization: Bearer` and as `X-Api-Key`. The real-llama-server suite:
 tests/integration/test_proxy_messages_real.py."""
 
@@ -175,19 +175,28 @@ async def test_llama_server_errors_come_back_in_anthropics_shape(r: Rig) -> None
     assert r.h.coordinator.status()["leases"] == 0
 
 
-async def test_head_root_is_answered_locally_without_a_token(r: Rig) -> None:
+@pytest.mark.parametrize("path", ["/", "/api/hello", "/%61pi/hello", "/api%2Fhello"])
+async def test_claude_codes_probes_are_answered_locally_without_a_token(r: Rig, path: str) -> None:
+    """`HEAD /` (2.1.197) and `HEAD /api/hello` (2.1.332), spelled however llama-server would decode them:
+    404 and no body as llama-server answers them, before the token check, reaching nothing upstream."""
     async with httpx.AsyncClient(base_url=r.url, timeout=10) as c:
-        bare = await c.head("/")
-        with_token = await c.head("/", headers=AUTH)
+        bare = await c.head(path)
+        with_token = await c.head(path, headers=AUTH)
+        wrong = await c.head(path, headers={"authorization": "Bearer wrong"})
         other = await c.head("/v1/messages")
-    assert bare.status_code == 404 and bare.content == b"" and with_token.status_code == 404
-    assert other.status_code == 401  # only `HEAD /` is exempt
+        get = await c.get(path, headers=AUTH)
+        near = await c.head("/api/hello/", headers=AUTH)
+    for probe in (bare, with_token, wrong):
+        assert probe.status_code == 404 and probe.content == b""
+        assert probe.headers["content-length"] == "0"
+    assert other.status_code == 401  # only the probes are exempt
+    assert get.status_code == 403 and near.status_code == 403  # GET, or another path: not forwarded
     assert r.origin.requests == []
     registry = r.h.coordinator.metrics.registry
     refused = registry.get_sample_value(
         "kvsidecar_proxy_request_total", {"kind": "refused", "result": "KV_UNAUTHORIZED"}
     )
-    assert refused == 1  # the HEAD /v1/messages; never HEAD /
+    assert refused == 1  # the HEAD /v1/messages; never a probe
 
 
 async def test_the_token_is_accepted_as_x_api_key_or_bearer(r: Rig) -> None:
