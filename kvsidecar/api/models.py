@@ -107,8 +107,27 @@ class SnapshotView(BaseModel):
     generations: dict[str, GenerationView]
 
 
+class TurnView(BaseModel):
+    cached_tokens: int = Field(description="llama-server's cache_n: prompt tokens reused from the slot's KV")
+    prompt_tokens: int = Field(description="the whole prompt: prompt_n + cache_n")
+
+
 class SessionView(BaseModel):
-    session: str = Field(description="the short id in lists, the full id for GET /v1/sessions/{id}")
+    session: str = Field(
+        description="the short id (the logs' hash of the id) in lists, the full id for GET /v1/sessions/{id}"
+    )
+    id: str = Field(
+        description="the id's visible form, to match it to the id the client prints: its first 8 characters "
+        "and, for an id over 16, its last 4 (docs/CLIENTS.md)"
+    )
+    client: str | None = Field(
+        description="claude-code, codex, opencode, aider or unknown (a hook API caller: unknown); null when "
+        "not seen since the daemon started"
+    )
+    signal: str | None = Field(description="what named the session at its latest acquire (X-KV-Signal; hook)")
+    last_outcome: Outcome | None = Field(description="its latest acquire: resident, restored, cold, ...")
+    last_reason: str | None = Field(description="why, when it was not warm (docs/API.md); null: none given")
+    turns: list[TurnView] = Field(description="the engine's reuse of its latest turns, oldest first")
     provider: str
     model: str
     server: str
@@ -165,7 +184,10 @@ class SlotView(BaseModel):
     id: int
     owner: str | None
     state: str = Field(description="idle, aux, ready, dirty, inference, or the operation holding it")
-    tokens: int | None
+    tokens: int | None = Field(
+        description="what it holds: its owner's prompt after its latest turn, else the tokens a restore or "
+        "cold start left (null: unknown)"
+    )
     unsaved_age_s: float | None = Field(description="its owner's unsaved age (see SessionView)")
     unsaved_tokens: int | None = Field(description="its owner's unsaved tokens (see SessionView)")
     unsaved_turns: int = Field(description="its owner's turns since its last save")

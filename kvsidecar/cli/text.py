@@ -79,6 +79,20 @@ def render_status(s: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _outcome(v: dict[str, Any]) -> str:
+    """Its latest acquire: `resident`, `restored`, `cold (NO_SNAPSHOT)`, ... (empty when not seen)."""
+    outcome = v.get("last_outcome")
+    if outcome is None:
+        return ""
+    reason = v.get("last_reason") or ("no snapshot" if outcome == "cold" else None)
+    return f"{outcome} ({reason})" if reason else str(outcome)
+
+
+def _reuse(v: dict[str, Any]) -> str:
+    """The engine's reuse of its latest turns, oldest first: `cached/prompt` tokens each."""
+    return " ".join(f"{t['cached_tokens']:,}/{t['prompt_tokens']:,}" for t in v.get("turns") or [])
+
+
 def render_sessions(views: list[dict[str, Any]]) -> str:
     rows = []
     for v in views:
@@ -86,20 +100,21 @@ def render_sessions(views: list[dict[str, Any]]) -> str:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(snap["updated_at"])) if snap else ""
         rows.append(
             [
+                v.get("id", ""),
                 v["session"],
-                v["provider"],
+                v.get("client") or "",
+                v.get("signal") or "",
                 v["model"],
                 v["state"],
                 v.get("resident_slot"),
+                _outcome(v),
+                _reuse(v),
                 human_bytes(snap.get("bytes", 0)) if snap else "",
                 when,
             ]
         )
-    return (
-        table(rows, ["session", "provider", "model", "state", "slot", "snapshot", "saved"])
-        if rows
-        else "no sessions"
-    )
+    head = ["id", "session", "client", "signal", "model", "state", "slot", "last", "reuse (cached/prompt)"]
+    return table(rows, [*head, "snapshot", "saved"]) if rows else "no sessions"
 
 
 def render_show(data: dict[str, Any]) -> str:
@@ -112,6 +127,10 @@ def render_show(data: dict[str, Any]) -> str:
             + (f", resident in slot {slot}" if slot is not None else "")
             + f"; revision {v['dirty_revision']} (saved {v['saved_revision']})"
         )
+        if v.get("client") is not None:
+            out.append(f"  client {v['client']} (signal {v['signal']}); last: {_outcome(v)}")
+        if v.get("turns"):
+            out.append(f"  reuse of its latest turns (cached/prompt tokens): {_reuse(v)}")
         if v.get("last_error"):
             out.append(f"  last error: {v['last_error']}")
         snap = v.get("snapshot")

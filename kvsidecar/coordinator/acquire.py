@@ -22,7 +22,15 @@ from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.restore import Restorer
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionTable
-from kvsidecar.coordinator.state import HOOK_SCOPE, AcquireResult, Lease, Outcome, Slot
+from kvsidecar.coordinator.state import (
+    HOOK_SCOPE,
+    HOOK_SIGNAL,
+    UNKNOWN_CLIENT,
+    AcquireResult,
+    Lease,
+    Outcome,
+    Slot,
+)
 from kvsidecar.coordinator.switch import Switch
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import LeaseNotFound, SlotBusy
@@ -71,8 +79,10 @@ class Acquirer:
         caller: Caller | None = None,
         scope: str = HOOK_SCOPE,
         donor: SnapshotIdentity | None = None,
+        named: tuple[str, str] = (UNKNOWN_CLIENT, HOOK_SIGNAL),
     ) -> AcquireResult:
-        """A lease on a slot of `srv` prepared for `identity` (None: an auxiliary request)."""
+        """A lease on a slot of `srv` prepared for `identity` (None: an auxiliary request). `named`: the
+        client and the signal that named the session (the session's view shows them)."""
         key, session_id = (identity.key, identity.session_id) if identity else (None, None)
         lease = Lease(
             id=secrets.token_urlsafe(16),
@@ -91,7 +101,7 @@ class Acquirer:
                 self.telemetry.acquire_abandoned(srv.name, None, lease.session_id, caller.why)
             raise
         try:
-            result = await self._prepare(srv, slot, identity, seq=seq, scope=scope, donor=donor)
+            result = await self._prepare(srv, slot, identity, seq=seq, scope=scope, donor=donor, named=named)
             if caller is not None and caller.gone():
                 # the caller left while its slot was prepared: the restore ran to its end (the slot holds
                 # what its records say), but no lease is granted; the slot goes to the next waiter now
@@ -114,16 +124,22 @@ class Acquirer:
         seq: int | None,
         scope: str,
         donor: SnapshotIdentity | None,
+        named: tuple[str, str],
     ) -> AcquireResult:
         if identity is None:
             return await self.switch.to_aux(srv, slot, scope)
         rt = self.sessions.runtime(identity)
-        think_s = self.sessions.arrived(rt, scope=scope, seq=seq, now=self.monotonic())
+        client, signal = named
+        think_s = self.sessions.arrived(
+            rt, scope=scope, seq=seq, now=self.monotonic(), client=client, signal=signal
+        )
         if think_s is not None:  # think time: from its last release to this acquire
             self.costs.observe_think(srv.name, think_s)
             self.telemetry.think(srv.name, think_s)
         with self.sessions.busy_with(rt.key):
-            return await self.switch.to_session(srv, slot, rt, donor)
+            result = await self.switch.to_session(srv, slot, rt, donor)
+        self.sessions.prepared(rt, result.outcome.value, result.reason)
+        return result
 
     async def holding(self, srv: ServerRuntime, fn: Callable[[int], Awaitable[T]]) -> T:
         """Run fn(slot_id) under an auxiliary lease that this call holds (active, not a claim)."""

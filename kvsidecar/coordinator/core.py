@@ -51,7 +51,7 @@ from kvsidecar.coordinator.runtime import RuntimeGuard
 from kvsidecar.coordinator.save import Saver
 from kvsidecar.coordinator.server import ProcessFinder, ServerRuntime, build_servers
 from kvsidecar.coordinator.sessions import SessionTable
-from kvsidecar.coordinator.state import HOOK_SCOPE, AcquireResult, Outcome
+from kvsidecar.coordinator.state import HOOK_SCOPE, HOOK_SIGNAL, UNKNOWN_CLIENT, AcquireResult, Outcome
 from kvsidecar.coordinator.switch import Switch
 from kvsidecar.coordinator.telemetry import ResidencyObserver, Telemetry
 from kvsidecar.errors import KvError
@@ -306,10 +306,14 @@ class Coordinator:
         caller: Caller | None = None,
         scope: str = HOOK_SCOPE,
         prefix_from: str | None = None,
+        signal: str = HOOK_SIGNAL,
+        client: str = UNKNOWN_CLIENT,
     ) -> AcquireResult:
         """`caller`: who waits for the answer; once it is gone the wait ends and no lease is granted.
         `scope`: the caller's credential scope; `prefix_from`: a session of the same provider, model and
-        scope whose newest snapshot a cold start of this one may begin from (issue 28; coldstart.py)."""
+        scope whose newest snapshot a cold start of this one may begin from (issue 28; coldstart.py).
+        `signal`, `client`: what named the session and which client sent it (the proxy's fixed names; the
+        session's view and its log events show them)."""
         validate_label("provider", provider)
         validate_label("model", model)
         if session_id is not None:
@@ -333,7 +337,9 @@ class Coordinator:
         donor = None
         if prefix_from is not None and prefix_from != session_id:
             donor = SnapshotIdentity(server=srv.name, provider=provider, model=model, session_id=prefix_from)
-        return await self.acquirer.acquire(srv, identity, seq=seq, caller=caller, scope=scope, donor=donor)
+        return await self.acquirer.acquire(
+            srv, identity, seq=seq, caller=caller, scope=scope, donor=donor, named=(client, signal)
+        )
 
     # release -----------------------------------------------------------------------------------------
     async def release(

@@ -21,7 +21,9 @@ Owners: `SessionTable` is the only code that writes these fields of a `SessionRu
 - `dirty_since`, `dirty_since_rev` (`mark_unsaved()`);
 - what the slot holds of it: `base_tokens`, `base_generation`, `context_tokens`, `append_only`,
   `verify_tokens` (`restored()`, `started_cold()`, `saved()`, `track_context()`, `take_verify()`);
-- who last called and when: `scope`, `seq`, `released_at`, `think_s` (`arrived()`, `released()`, `hinted()`).
+- who last called and when: `scope`, `seq`, `released_at`, `think_s`, `client_name`, `named_by`
+  (`arrived()`, `released()`, `hinted()`); what its last acquire did: `last_outcome`, `last_reason`
+  (`prepared()`); the engine's reuse of its latest turns: `recent_turns` (`track_context()`).
 The checkpoint policy's own timers (`idle_*`, `clean_*`, `protect_*`) are written by checkpoint.py alone,
 the overlapped commit (`pending_commit`) by save.py and the refused files (`refused`) by restore.py.
 Everything here runs on the event loop.
@@ -33,7 +35,7 @@ import contextlib
 from collections.abc import Iterator
 from enum import StrEnum
 
-from kvsidecar.coordinator.state import SessionRuntime, SessionState
+from kvsidecar.coordinator.state import HOOK_SIGNAL, UNKNOWN_CLIENT, SessionRuntime, SessionState
 from kvsidecar.store.naming import SnapshotIdentity, validate_session_id
 from kvsidecar.store.snapshots import SnapshotStore
 
@@ -170,6 +172,7 @@ class SessionTable:
             rt.append_only, rt.context_tokens = False, None
             return
         rt.context_tokens = prompt_tokens + cached_tokens
+        rt.recent_turns.append((cached_tokens, rt.context_tokens))  # what the user sees of its reuse
         # A snapshot ends with the tokens the model generated; the next prompt carries the reply as the
         # harness renders it, which may tokenize differently: a few trailing tokens may be recomputed.
         if rt.base_tokens is None or cached_tokens + max(8, rt.base_tokens // 50) < rt.base_tokens:
@@ -182,10 +185,19 @@ class SessionTable:
         return restored
 
     @staticmethod
-    def arrived(rt: SessionRuntime, *, scope: str, seq: int | None, now: float) -> float | None:
-        """An acquire of the session: the credential scope it came in and its sequence number. Returns its
-        think time (from its last release to now) when it had one."""
-        rt.scope = scope
+    def arrived(
+        rt: SessionRuntime,
+        *,
+        scope: str,
+        seq: int | None,
+        now: float,
+        client: str = UNKNOWN_CLIENT,
+        signal: str = HOOK_SIGNAL,
+    ) -> float | None:
+        """An acquire of the session: the credential scope it came in, its sequence number, the client and
+        the signal that named it (fixed names). Returns its think time (from its last release to now) when
+        it had one."""
+        rt.scope, rt.client_name, rt.named_by = scope, client, signal
         if seq is not None:
             rt.seq = seq
         if rt.released_at is None:
@@ -194,6 +206,11 @@ class SessionTable:
         rt.think_s.append(think_s)
         rt.released_at = None
         return think_s
+
+    @staticmethod
+    def prepared(rt: SessionRuntime, outcome: str, reason: str | None) -> None:
+        """Its slot was prepared for an acquire: resident, restored or cold, and why (None: none given)."""
+        rt.last_outcome, rt.last_reason = outcome, reason
 
     @staticmethod
     def released(rt: SessionRuntime, now: float) -> None:

@@ -17,6 +17,9 @@ from typing import Any
 from kvsidecar.store.naming import SnapshotIdentity
 
 HOOK_SCOPE = "hook"  # the credential scope of hook API acquires (the operator's token); the proxy's: digests
+HOOK_SIGNAL = "hook"  # what named a session acquired through the hook API (the proxy names its own signals)
+UNKNOWN_CLIENT = "unknown"  # a client the proxy did not recognize, or a hook API caller
+TURNS_SHOWN = 4  # the latest turns whose reuse a session's view shows
 
 
 class SessionState(StrEnum):
@@ -78,10 +81,24 @@ class SessionRuntime:
     # for the hook API; None: not seen since the daemon started): another session's KV is shared with it
     # only within one scope (coldstart.py).
     scope: str | None = None
+    # What the user watches (`kvsidecar sessions`): the client and the signal that named it at its latest
+    # acquire (fixed names, never client text), that acquire's outcome and reason, and the engine's reuse
+    # of its latest turns: (cached, prompt) tokens, llama-server's cache_n and prompt_n + cache_n.
+    client_name: str | None = None
+    named_by: str | None = None
+    last_outcome: str | None = None
+    last_reason: str | None = None
+    recent_turns: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=TURNS_SHOWN))
 
     @property
     def key(self) -> str:
         return self.identity.key
+
+    @property
+    def named(self) -> dict[str, str | None]:
+        """The client and the signal that named it, as log fields: every `kv.session.*` event carries them
+        (fixed names, never client text; None for a session not seen since the daemon started)."""
+        return {"client": self.client_name, "signal": self.named_by}
 
     @property
     def unsaved_turns(self) -> int:

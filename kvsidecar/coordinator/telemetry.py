@@ -199,6 +199,7 @@ class Telemetry:
             server=server,
             slot=slot,
             to=rt.identity.short,
+            **rt.named,
             evicted=evicted,
         )
 
@@ -211,6 +212,7 @@ class Telemetry:
             server=server,
             slot=slot,
             session=rt.identity.short,
+            **rt.named,
             tokens=result.restored_tokens,
             restore_ms=result.restore_ms,
             reason=result.reason,
@@ -273,6 +275,7 @@ class Telemetry:
             logging.INFO,
             "kv.session.restore.start",
             session=rt.identity.short,
+            **rt.named,
             slot=slot,
             generation=candidate.generation,
             tokens=candidate.record.tokens,
@@ -291,6 +294,7 @@ class Telemetry:
             logging.WARNING,
             "kv.session.restore.failed",
             session=rt.identity.short,
+            **rt.named,
             code=exc.code,
             error=exc.message,
         )
@@ -314,6 +318,7 @@ class Telemetry:
                 logging.ERROR,
                 "kv.session.restore.ineffective",
                 session=rt.identity.short,
+                **rt.named,
                 restored=restored,
                 reused=reused,
                 computed=computed,
@@ -338,6 +343,7 @@ class Telemetry:
             logging.INFO,
             "kv.session.prefix_from",
             session=rt.identity.short,
+            **rt.named,
             donor=donor,
             result=why,
             tokens=tokens,
@@ -349,7 +355,13 @@ class Telemetry:
     # save ---------------------------------------------------------------------------------------------
     def save_start(self, rt: SessionRuntime, trigger: str, slot: int) -> None:
         event(
-            log, logging.INFO, "kv.session.save.start", session=rt.identity.short, trigger=trigger, slot=slot
+            log,
+            logging.INFO,
+            "kv.session.save.start",
+            session=rt.identity.short,
+            **rt.named,
+            trigger=trigger,
+            slot=slot,
         )
 
     def save_not_owner(self, server: str, rt: SessionRuntime, trigger: str, holder: str | None) -> None:
@@ -391,6 +403,7 @@ class Telemetry:
             logging.INFO,
             "kv.session.save.success",
             session=rt.identity.short,
+            **rt.named,
             trigger=trigger,
             tokens=tokens,
             bytes=nbytes,
@@ -411,6 +424,7 @@ class Telemetry:
             logging.INFO,
             "kv.session.save.skipped",
             session=rt.identity.short,
+            **rt.named,
             reason=reason,
             recompute_ms=round(recompute_s * 1000, 1),
             save_ms=round(save_s * 1000, 1),
@@ -427,6 +441,7 @@ class Telemetry:
             logging.WARNING,
             "kv.session.save.failed",
             session=rt.identity.short,
+            **rt.named,
             trigger=trigger,
             code=exc.code,
             error=exc.message,

@@ -1,5 +1,10 @@
 """What `GET /v1/status`, `GET /v1/sessions` and the CLI show: built in one place from the coordinator's
-state and the store (the CLI's offline view of a stopped daemon uses the same `session_view`)."""
+state and the store (the CLI's offline view of a stopped daemon uses the same `session_view`).
+
+A session is shown by two names (docs/CLIENTS.md, "How to see that it works"): `session`, the short hash
+the logs use (not reversible, safe anywhere), and `id`, a visible form of the id the user can match to the
+one the client prints (`visible_id`), shown only by the authenticated API and the CLI, never in a log.
+"""
 
 from __future__ import annotations
 
@@ -36,6 +41,28 @@ class StatusSections:
         return {name: view() for name, view in self._views.items()}
 
 
+def visible_id(session_id: str) -> str:
+    """Enough of a session id to match it to the id its client prints, not the whole id: its first 8
+    characters, and for an id over 16 characters also its last 4 (one client's ids often share their first
+    8: Codex's are time-ordered UUIDv7, opencode's `ses_` and a time, so two sessions started within a
+    minute differ only further on), joined by `…`. An id of at most 8 characters is shown whole."""
+    if len(session_id) <= 8:
+        return session_id
+    return session_id[:8] + "…" + (session_id[-4:] if len(session_id) > 16 else "")
+
+
+def _named_view(rt: SessionRuntime | None) -> dict[str, Any]:
+    """Who named it and how it went: the client and signal of its latest acquire (fixed names), that
+    acquire's outcome and reason, and the engine's reuse of its latest turns (oldest first)."""
+    return {
+        "client": rt.client_name if rt else None,
+        "signal": rt.named_by if rt else None,
+        "last_outcome": rt.last_outcome if rt else None,
+        "last_reason": rt.last_reason if rt else None,
+        "turns": [{"cached_tokens": c, "prompt_tokens": p} for c, p in rt.recent_turns] if rt else [],
+    }
+
+
 def session_view(
     m: Manifest | None,
     rt: SessionRuntime | None,
@@ -52,6 +79,8 @@ def session_view(
     state = rt.state if rt else SessionState.SAVED if m and m.has_valid else SessionState.INVALID
     return {
         "session": ident.session_id if full_id else ident.short,
+        "id": visible_id(ident.session_id),
+        **_named_view(rt),
         "provider": ident.provider,
         "model": ident.model,
         "server": ident.server,
@@ -201,7 +230,7 @@ def server_view(
                 "id": s.id,
                 "owner": owner(s),
                 "state": slot_state(s),
-                "tokens": s.tokens,
+                "tokens": slot_tokens(s, sessions.get(s.owner)),
                 **unsaved_view(sessions.get(s.owner), now),  # what a crash would cost its owner now
             }
             for s in sorted(srv.slots.values(), key=lambda s: s.id)
@@ -211,6 +240,15 @@ def server_view(
     }
     view["persistence_now"] = persistence_now(view, enabled=enabled)
     return view
+
+
+def slot_tokens(slot: Slot, owner: SessionRuntime | None) -> int | None:
+    """The tokens a slot holds: its owner's prompt after its latest turn (the pool records a slot's size
+    only when the slot changes hands, at a restore or a cold start, so a session that started cold showed
+    0 through every turn and save), else the pool's record (None: unknown)."""
+    if owner is not None and owner.context_tokens is not None:
+        return owner.context_tokens
+    return slot.tokens
 
 
 def _setup_warnings(srv: ServerRuntime, store: SnapshotStore | None) -> list[SetupWarning]:

@@ -19,12 +19,13 @@ client, a file or llama-server.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
 
 from starlette.responses import Response
 
 from kvsidecar.coordinator.core import INVALIDATED
-from kvsidecar.coordinator.state import AcquireResult, Outcome
+from kvsidecar.coordinator.state import UNKNOWN_CLIENT, AcquireResult, Outcome
 from kvsidecar.errors import (
     HTTP_STATUS,
     KvError,
@@ -126,6 +127,46 @@ SIGNAL_AUX_DIVERGED = "aux:not-extending"  # under a session's id, but a side re
 SIGNAL_VALUES: frozenset[str] = frozenset(
     {*client_ids.SIGNALS, client_content.SIGNAL, *client_ids.MARKERS, SIGNAL_NONE, SIGNAL_AUX_DIVERGED}
 )
+
+
+# -- which client (the session's view, its log events; docs/CLIENTS.md) -----------------------------------
+# A fixed name, from the signal that named the session: never client text.
+CLIENTS: Final = ("claude-code", "codex", "opencode", "aider", UNKNOWN_CLIENT)
+_CLIENT_OF_SIGNAL: dict[str, str] = {
+    client_ids.SIG_CLAUDE_HEADER: "claude-code",
+    client_ids.SIG_CLAUDE_METADATA: "claude-code",
+    client_ids.TITLE_CLAUDE: "claude-code",
+    client_ids.SIG_CODEX_SESSION: "codex",
+    client_ids.SIG_CODEX_THREAD: "codex",
+    client_ids.SIG_CLIENT_METADATA: "codex",
+    client_ids.TITLE_CODEX: "codex",
+    client_ids.SIG_AFFINITY: "opencode",
+    client_ids.TITLE_OPENCODE: "opencode",
+}
+_AIDER_SYSTEM = "Act as an expert software developer."  # the first words of every aider coder's prompt
+
+
+def client_of(
+    signal: str | None, raw_headers: Iterable[tuple[bytes, bytes]], data: Mapping[str, Any] | None
+) -> str:
+    """The client a session's request came from, one of `CLIENTS`. Two signals any client may send are told
+    apart by what one client sends beside them: opencode sends `x-session-affinity` equal to its
+    `x-session-id` (the proxy's default header, which your own harness may send too); aider sends no id (its
+    session is named by content) and starts its system prompt with its fixed preamble."""
+    known = _CLIENT_OF_SIGNAL.get(signal or "")
+    if known is not None:
+        return known
+    if signal == client_ids.SIG_SESSION_HEADER:
+        headers = client_ids.asgi_headers(raw_headers)
+        ids, affinity = headers.get("x-session-id", ()), headers.get("x-session-affinity", ())
+        return "opencode" if len(ids) == len(affinity) == 1 and ids[0] == affinity[0] else UNKNOWN_CLIENT
+    if signal == client_content.SIGNAL and data is not None:
+        messages = data.get("messages")
+        first = messages[0] if isinstance(messages, list) and messages else None
+        text = first.get("content") if isinstance(first, dict) and first.get("role") == "system" else None
+        if isinstance(text, str) and text.startswith(_AIDER_SYSTEM):
+            return "aider"
+    return UNKNOWN_CLIENT
 
 
 def reason_token(result: AcquireResult, *, restore_enabled: bool = True) -> str | None:

@@ -80,6 +80,7 @@ from kvsidecar.errors import (
 from kvsidecar.http.guards import bearer_credential, refuse
 from kvsidecar.http.limits import Limits, ListenerState
 from kvsidecar.http.messages import ClientGone, read_body, watch_disconnect
+from kvsidecar.proxy import answers
 from kvsidecar.proxy.answers import PROMPT_DIVERGED, SIGNAL_NONE, error_answer, kv_headers, openai_error
 from kvsidecar.proxy.anthropic import chat_request_bytes
 from kvsidecar.proxy.anthropic_errors import ConversionError
@@ -323,6 +324,8 @@ class Proxy:
                 caller=caller,
                 scope=call.credential,
                 prefix_from=self.sessions.donor(call),
+                signal=call.signal or SIGNAL_NONE,  # what named it, and which client (the session's view)
+                client=answers.client_of(call.signal, scope["headers"], call.data),
             )
         except KvError as exc:
             await self._refuse(exc, scope, receive, send)

@@ -20,7 +20,7 @@ import yaml
 from kvsidecar import cli
 from kvsidecar.backend.base import BackendCapabilities
 from kvsidecar.cli import main, table
-from kvsidecar.cli.text import persistence_state, render_status
+from kvsidecar.cli.text import persistence_state, render_sessions, render_status
 from kvsidecar.client import KvSidecar
 from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity
@@ -428,3 +428,51 @@ async def test_status_shows_a_snapshot_dir_llama_server_does_not_save_into(tmp_p
         assert "up, persistence healthy" in text and "warning" not in text
     finally:
         await h.coordinator.aclose()
+
+
+async def test_sessions_shows_the_client_signal_visible_id_reuse_and_last_outcome(tmp_path: Path) -> None:
+    """`kvsidecar sessions`: one place to watch a real client (which prints its id, never X-KV-* headers)."""
+    h = await start_harness(tmp_path)
+    try:
+        sid = "e78d36c2-3f10-4cac-a0e9-67dcc9470789"  # a Claude Code session id
+        for _ in range(2):
+            result = await h.coordinator.acquire(
+                sid,
+                provider="local",
+                model="m",
+                signal="header:x-claude-code-session-id",
+                client="claude-code",
+            )
+            assert result.slot_id is not None and result.lease_id is not None
+            prompt_n, cache_n = h.fake.infer(result.slot_id, list(range(100 * (h.turns.get(sid, 0) + 1))))
+            h.turns[sid] = h.turns.get(sid, 0) + 1
+            await h.coordinator.release(
+                result.lease_id, status="ok", prompt_tokens=prompt_n, cached_tokens=cache_n
+            )
+        text = render_sessions(h.coordinator.session_views())
+    finally:
+        await h.coordinator.aclose()
+    head, _, row = text.splitlines()
+    assert head.split()[:9] == [
+        "id",
+        "session",
+        "client",
+        "signal",
+        "model",
+        "state",
+        "slot",
+        "last",
+        "reuse",
+    ]
+    assert row.split()[:9] == [
+        "e78d36c2…0789",
+        SnapshotIdentity(server="local", provider="local", model="m", session_id=sid).short,
+        "claude-code",
+        "header:x-claude-code-session-id",
+        "m",
+        "active_dirty",
+        "0",
+        "resident",
+        "0/100",
+    ]
+    assert "100/200" in row and sid not in text

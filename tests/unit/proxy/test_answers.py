@@ -20,7 +20,9 @@ import pytest
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.coordinator.state import AcquireResult, Outcome
 from kvsidecar.fingerprint import reasons as fingerprint
-from kvsidecar.proxy.answers import OTHER, REASONS, reason_token
+from kvsidecar.proxy import client_content, client_ids
+from kvsidecar.proxy.answers import CLIENTS, OTHER, REASONS, client_of, reason_token
+from tests.unit.client_fixtures import Recorded, load, posts
 from tests.unit.origin import Origin, OriginConn, Request, keep_alive_origin
 from tests.unit.proxy.test_app import TOKEN, Rig, rig
 from tests.unit.rawhttp import open_socket, read_until_closed
@@ -414,3 +416,40 @@ async def test_duplicate_session_headers_are_refused(tmp_path: Path) -> None:
         status, _, rest = await raw_head(r.url, raw)
         assert status == 400 and json.loads(rest)["error"]["code"] == "KV_BAD_REQUEST"
         assert r.origin.requests == []
+
+
+# -- which client --------------------------------------------------------------------------------------
+def _raw(rec: Recorded, *drop: str) -> list[tuple[bytes, bytes]]:
+    return [(k.lower().encode(), v.encode()) for k, v in rec.headers if k.lower() not in drop]
+
+
+def _named(rec: Recorded, *drop: str) -> tuple[str | None, str]:
+    """What the proxy would say named the recorded request, and which client it says sent it."""
+    found = client_ids.recognize(rec.path, client_ids.asgi_headers(_raw(rec, *drop)), rec.body)
+    signal = min(found.markers) if found.markers else found.signal
+    if signal is None:
+        signal = client_content.SIGNAL  # no id: the content names it
+    return signal, client_of(signal, _raw(rec, *drop), rec.body)
+
+
+@pytest.mark.parametrize("rec", posts(), ids=lambda r: f"{r.client}/{r.name}")
+def test_every_recorded_request_names_its_own_client(rec: Recorded) -> None:
+    expected = {"claude": "claude-code", "codex": "codex", "opencode": "opencode", "aider": "aider"}
+    signal, client = _named(rec)
+    assert client == expected[rec.client], signal
+    assert client in CLIENTS
+
+
+def test_a_signal_any_client_may_send_names_no_client_without_the_clients_own_mark() -> None:
+    opencode, aider = load("opencode", "run_turn1"), load("aider", "ui_turn1")
+    # your own harness sends X-Session-Id (the proxy's default header) without opencode's affinity header
+    assert _named(opencode, "x-session-affinity") == (client_ids.SIG_SESSION_HEADER, "unknown")
+    twice = [*_raw(opencode), (b"x-session-affinity", b"other")]
+    assert client_of(client_ids.SIG_SESSION_HEADER, twice, opencode.body) == "unknown"
+    # an id-less request whose system prompt is not aider's
+    other = {**aider.body, "messages": [{"role": "system", "content": "You are helpful."}]}
+    assert client_of(client_content.SIGNAL, [], other) == "unknown"
+    for hostile in ({"messages": "x"}, {"messages": [1]}, {"messages": [{"role": "system", "content": [1]}]}):
+        assert client_of(client_content.SIGNAL, [], hostile) == "unknown"
+    assert client_of(None, [], None) == client_of("none", [], None) == "unknown"
+    assert client_of(client_ids.SIG_PROMPT_CACHE_KEY, [], None) == "unknown"
