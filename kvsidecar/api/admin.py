@@ -1,5 +1,6 @@
 """The hook API's views and maintenance: the sessions kvsidecar knows, status, Prometheus metrics, the
-doctor's checks (spec §48) and a retention run on demand.
+doctor's checks (spec §48), a retention run on demand, and the checkpoint of every dirty slot before a
+planned stop of llama-server (`kvsidecar checkpoint`: a unit's ExecStop, llama-swap's cmdStop).
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from typing import Any
 from starlette.responses import Response
 
 from kvsidecar.api import models as api_models
-from kvsidecar.api.bodies import DoctorQuery, GcQuery
+from kvsidecar.api.bodies import CheckpointQuery, DoctorQuery, GcQuery
 from kvsidecar.api.table import SLOT, STRICT, json_route
 from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.doctor.checks import Doctor
-from kvsidecar.errors import MetadataIO, NotFound
+from kvsidecar.errors import MetadataIO, NotFound, OperationTimeout, SaveFailed, ShuttingDown
 from kvsidecar.http.routes import Call, Route
 from kvsidecar.retention.job import RetentionJob
 
@@ -43,6 +44,12 @@ def admin_routes(coordinator: Coordinator, retention: RetentionJob | None) -> li
         """Spec §48 checks for every server; `deep` runs a save/erase/restore round trip on a held slot."""
         return await _doctor(coordinator, deep=call.query_as(DoctorQuery).deep)
 
+    async def checkpoint(call: Call) -> dict[str, Any]:
+        """Save every dirty slot of a server (all servers without `server`) now, before a planned stop of
+        llama-server; with `wait`, answer once every save has committed."""
+        q = call.query_as(CheckpointQuery)
+        return await coordinator.checkpoint(q.server, wait=q.wait, timeout_s=q.timeout_s)
+
     m = api_models
     table = [
         json_route("GET", "/v1/sessions", sessions, m.SessionsResponse),
@@ -51,6 +58,14 @@ def admin_routes(coordinator: Coordinator, retention: RetentionJob | None) -> li
         Route(method="GET", path="/metrics", handler=metrics, media_type="text/plain"),
         # deep: the round trip holds a slot (its owner is checkpointed first)
         json_route("GET", "/v1/doctor", doctor, m.DoctorResponse, SLOT + STRICT, query=DoctorQuery),
+        json_route(
+            "POST",
+            "/v1/checkpoint",
+            checkpoint,
+            m.CheckpointResponse,
+            (NotFound, SaveFailed, OperationTimeout, ShuttingDown),
+            query=CheckpointQuery,
+        ),
     ]
     if retention is not None:
 

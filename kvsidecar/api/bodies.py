@@ -60,3 +60,13 @@ class DoctorQuery(_Body):
 
 class GcQuery(_Body):
     dry_run: bool = Field(False, description="plan only: delete nothing")
+
+
+class CheckpointQuery(_Body):
+    server: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(
+        None, description="the server whose dirty slots to save (default: every server)"
+    )
+    wait: bool = Field(False, description="answer once every save has committed (else once they started)")
+    timeout_s: Annotated[float, Field(gt=0, le=86400)] | None = Field(
+        None, description="with wait: how long to wait (default: checkpoint.shutdown_timeout_s)"
+    )

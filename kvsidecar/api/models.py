@@ -92,6 +92,13 @@ class PurgeResponse(BaseModel):
     bytes_freed: int
 
 
+class CheckpointResponse(BaseModel):
+    servers: list[str] = Field(description="the servers whose dirty slots were saved")
+    dirty: int = Field(description="sessions with unsaved turns when it started")
+    waited: bool
+    saved: int | None = Field(description="with wait: the sessions saved (all of them); null without wait")
+
+
 # -- sessions ----------------------------------------------------------------------------------------------
 class GenerationView(BaseModel):
     tokens: int

@@ -53,7 +53,7 @@ def _load(args: argparse.Namespace) -> Config:
 
 # talking to the daemon -------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _daemon(config: Config) -> Iterator[KvSidecar]:
+def _daemon(config: Config, *, timeout_s: float = 600) -> Iterator[KvSidecar]:
     """The hook-API client (`kvsidecar.client`) for the configured daemon: its unix socket when there is
     one, else TCP. A daemon that cannot be reached raises `Unreachable` (exit 3); its error answers are
     `SidecarError` (exit 1, see `_run`)."""
@@ -66,7 +66,7 @@ def _daemon(config: Config) -> Iterator[KvSidecar]:
         base, uds = f"http://{config.api.listen}", None
         transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
     try:
-        with KvSidecar(base, token=token, uds=uds, transport=transport, timeout_s=600) as kv:
+        with KvSidecar(base, token=token, uds=uds, transport=transport, timeout_s=timeout_s) as kv:
             yield kv
     except httpx.TransportError as exc:
         raise Unreachable(f"kvsidecar is not reachable at {base} ({exc})") from None
@@ -165,6 +165,23 @@ def cmd_session_op(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    """Save every dirty slot now, before llama-server stops (a unit's ExecStop, llama-swap's cmdStop, an
+    upgrade script). With --wait it returns once the saves have committed: exit 0; 1 when a save failed
+    (KV_SAVE_FAILED, each session named) or did not commit within --timeout (KV_OPERATION_TIMEOUT); 3 when
+    the daemon cannot be reached."""
+    config = _load(args)
+    timeout = args.timeout if args.timeout is not None else config.checkpoint.shutdown_timeout_s
+    with _daemon(config, timeout_s=timeout + 30) as kv:
+        data = kv.checkpoint(server=args.server, wait=args.wait, timeout_s=args.timeout)
+    servers = ", ".join(data["servers"])
+    if data["waited"]:
+        _emit(args, data, lambda d: f"saved {d['saved']} dirty session(s) of {servers}: nothing unsaved")
+    else:
+        _emit(args, data, lambda d: f"saving {d['dirty']} dirty session(s) of {servers} (--wait to wait)")
+    return EXIT_OK
+
+
 def _offline_gc(config: Config) -> dict[str, Any]:
     from kvsidecar.metrics import Metrics
     from kvsidecar.retention.job import RetentionJob
@@ -222,6 +239,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 _Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value <= 86400:
+        raise argparse.ArgumentTypeError("seconds must be over 0 and at most 86400")
+    return value
 
 
 def _add(
@@ -288,6 +315,15 @@ def _add_session_commands(sub: _Commands) -> None:
 
 
 def _add_maintenance_commands(sub: _Commands) -> None:
+    p = _add(sub, "checkpoint", cmd_checkpoint, "save every dirty slot now, before llama-server stops")
+    p.add_argument("--server", help="only this server's slots (default: every server)")
+    p.add_argument("--wait", action="store_true", help="return once every save has committed (exit 1 if not)")
+    p.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=None,
+        help="with --wait: seconds to wait for the saves (default: checkpoint.shutdown_timeout_s)",
+    )
     p = _add(sub, "gc", cmd_gc, "apply retention now (or plan it with --dry-run)")
     p.add_argument("--dry-run", action="store_true", help="show the plan, delete nothing")
     p.add_argument("--offline", action="store_true", help="plan from the state directory without the daemon")

@@ -16,6 +16,7 @@ with a stable reason; with any, nothing is written and the command fails with KV
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import shutil
@@ -123,7 +124,7 @@ def _kv_dirs(config: Config) -> dict[str, str]:
 
 def unit_params(args: argparse.Namespace, config: Config, problems: list[PathProblem]) -> UnitParams:
     """The units' values, every path absolute; what cannot be made so is added to problems."""
-    server = next(iter(config.servers.values()))
+    server_name, server = next(iter(config.servers.items()))
     default_exe = shutil.which("kvsidecar") or str(Path(sys.executable).with_name("kvsidecar"))
     config_path = args.config_path or find_config(args.config).path or "/etc/kvsidecar/config.yaml"
     snapshots = list(dict.fromkeys(_kv_dirs(config).values()))
@@ -146,6 +147,8 @@ def unit_params(args: argparse.Namespace, config: Config, problems: list[PathPro
         model=os.path.abspath(args.model),
         llama_port=urlsplit(server.base_url).port or 8080,
         stop_timeout_s=int(config.checkpoint.shutdown_timeout_s + 30),
+        server=server_name,
+        checkpoint_timeout_s=max(1, math.ceil(config.checkpoint.shutdown_timeout_s)),
         loopback_only=_loopback_only(config),
         kv_writable=tuple(writable),
     )
@@ -171,6 +174,7 @@ def check(config: Config, params: UnitParams, written: dict[str, str]) -> list[P
     rendered = {k: v for k, v in rendered.items() if k not in not_literal}
     rendered |= {f"ReadWritePaths= {p}": p for p in params.kv_writable}
     names = {"--user": params.user, "--llama-user": params.llama_user, "--group": params.group}
+    names["servers (its ExecStop's --server)"] = params.server
     hidden = hidden_problems({**well_formed, **{k: v for k, v in given.items() if v.startswith("/")}})
     read = {k: v for k, v in well_formed.items() if k.endswith(("token_file", "api_key_file"))}
     files = file_problems({"--config-path": params.config, **read}, must_exist=frozenset({"--config-path"}))

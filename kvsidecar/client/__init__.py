@@ -164,6 +164,12 @@ class AsyncKvSidecar:
     async def doctor(self, *, deep: bool = False) -> dict[str, Any]:
         return await self._send(wire.doctor(deep=deep))
 
+    async def checkpoint(
+        self, *, server: str | None = None, wait: bool = False, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """Save every dirty slot of `server` (all servers: None) before a planned stop of llama-server."""
+        return await self._send(wire.checkpoint(server=server, wait=wait, timeout_s=timeout_s))
+
     async def health(self) -> Any:
         return await self._send(wire.health())
 

@@ -152,5 +152,11 @@ class KvSidecar:
     def doctor(self, *, deep: bool = False) -> dict[str, Any]:
         return self._send(wire.doctor(deep=deep))
 
+    def checkpoint(
+        self, *, server: str | None = None, wait: bool = False, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """Save every dirty slot of `server` (all servers: None) before a planned stop of llama-server."""
+        return self._send(wire.checkpoint(server=server, wait=wait, timeout_s=timeout_s))
+
     def health(self) -> Any:
         return self._send(wire.health())

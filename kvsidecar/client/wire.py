@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import httpx
 
@@ -250,6 +250,13 @@ def gc(*, dry_run: bool) -> Call[dict[str, Any]]:
 def doctor(*, deep: bool) -> Call[dict[str, Any]]:
     """The daemon's check of its llama-servers (`deep`: a save/erase/restore round trip on a held slot)."""
     return Call("GET", f"/v1/doctor?deep={_flag(deep)}", None, _object)
+
+
+def checkpoint(*, server: str | None, wait: bool, timeout_s: float | None) -> Call[dict[str, Any]]:
+    """Save every dirty slot of `server` (None: every server) before a planned stop; `wait`: answer once
+    every save has committed (KV_SAVE_FAILED / KV_OPERATION_TIMEOUT otherwise)."""
+    query = {"wait": _flag(wait)} | _optional(server=server, timeout_s=timeout_s)
+    return Call("POST", f"/v1/checkpoint?{urlencode(query)}", None, _object)
 
 
 def health() -> Call[Any]:

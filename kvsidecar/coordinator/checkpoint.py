@@ -16,7 +16,7 @@ them, and acts on the answers: timers, saves, counters (spec §26-29, §50, §58
   its server (`protect()`, `decisions.protect_choice`); a timer at half the time bound and at the bound
   (`decisions.protect_check_in`) finds an idle moment that comes while nothing is given back.
 - `on_event()`: lifecycle hints (`flush`, `turn_end`, `step_end`, `disposed`) as configured.
-- `checkpoint_all()`: shutdown.
+- `checkpoint_all()`: shutdown, and a planned stop of a server (`kvsidecar checkpoint`).
 
 A request for another slot that arrives during a background save cannot interrupt it inside llama-server:
 its first token is late by at most the rest of that save (the predictions keep those saves to idle gaps).
@@ -45,7 +45,7 @@ from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
 from kvsidecar.coordinator.state import AcquireResult, SessionRuntime, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
-from kvsidecar.errors import KvError
+from kvsidecar.errors import BackendUnavailable, KvError, SaveFailed
 
 _DEMAND_KEYS_MAX = 4096  # more sessions than this lately: as good as "always a switch coming"
 _AUX_DEMAND_KEY = "\0auxiliary"  # matches no session key
@@ -135,12 +135,30 @@ class CheckpointPolicy:
         finally:
             self.pool.give_back(srv, slot)
 
-    async def checkpoint_all(self, trigger: str) -> None:
+    async def checkpoint_all(
+        self, trigger: str, *, server: str | None = None
+    ) -> list[tuple[SessionRuntime, str | None]]:
+        """Save every dirty session where it is resident, on `server` (None: every server): at shutdown, and
+        before a planned stop (`kvsidecar checkpoint`). Each session that was dirty, with None when the
+        revision it had then is saved (or its KV is no longer in a slot of the server: saved or given up at
+        its switch, or lost), else the code of why not: what a stop of the server would lose."""
+        out: list[tuple[SessionRuntime, str | None]] = []
         for rt in list(self.sessions.by_key.values()):
+            if server is not None and rt.identity.server != server:
+                continue
             await self.saver.wait_commit(rt)  # a switch's commit left running by a cancelled acquire
-            if rt.dirty:
-                with contextlib.suppress(KvError):
-                    await self.checkpoint(rt, trigger)
+            if not rt.dirty:
+                continue
+            revision, code = rt.dirty_revision, None
+            try:
+                await self.checkpoint(rt, trigger)
+            except KvError as exc:
+                code = exc.code
+            srv = self.servers[rt.identity.server]
+            kept = rt.saved_revision >= revision or owner_slot(srv, rt.key) is None
+            why = code or (BackendUnavailable.code if not srv.available else rt.last_error) or SaveFailed.code
+            out.append((rt, None if kept else why))
+        return out
 
     async def on_event(self, rt: SessionRuntime, type_: str) -> bool:
         """A lifecycle hint (spec §50): True if it caused a save."""

@@ -54,7 +54,7 @@ from kvsidecar.coordinator.sessions import SessionTable
 from kvsidecar.coordinator.state import HOOK_SCOPE, HOOK_SIGNAL, UNKNOWN_CLIENT, AcquireResult, Outcome
 from kvsidecar.coordinator.switch import Switch
 from kvsidecar.coordinator.telemetry import ResidencyObserver, Telemetry
-from kvsidecar.errors import KvError
+from kvsidecar.errors import KvError, ShuttingDown
 from kvsidecar.files.atomic import SHARED_TEMP_AGE_S
 from kvsidecar.fingerprint.file_digests import FileDigestCache
 from kvsidecar.fingerprint.llama_process import ProcessInfo
@@ -385,6 +385,13 @@ class Coordinator:
     async def purge(self, session_id: str) -> dict[str, Any]:
         """Forget the session and delete its files (operations.py: in fleet mode only a key's owner)."""
         return await self.operations.purge(session_id)
+
+    async def checkpoint(self, server: str | None, *, wait: bool, timeout_s: float | None) -> dict[str, Any]:
+        """Save every dirty slot of a server (None: all) before a planned stop (operations.py)."""
+        if self._closing:
+            raise ShuttingDown("kvsidecar is stopping: its shutdown checkpoint saves every dirty slot")
+        timeout = self.config.checkpoint.shutdown_timeout_s if timeout_s is None else timeout_s
+        return await self.operations.checkpoint(server, wait=wait, timeout_s=timeout)
 
     async def with_slot(self, server: str, fn: Callable[[int], Awaitable[T]]) -> T:
         """Run fn(slot_id) holding a slot of `server` as an auxiliary request (doctor's probes): the

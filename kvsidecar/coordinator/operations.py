@@ -1,4 +1,5 @@
-"""Lifecycle hints and the operator's session operations: save, invalidate, purge (spec §50-51, §20).
+"""Lifecycle hints and the operator's session operations: save, invalidate, purge (spec §50-51, §20), and
+the checkpoint of every dirty slot of a server before a planned stop (`kvsidecar checkpoint`).
 
 A hint may cause a save (as configured, checkpoint.py); `disposed` also forgets the session: its slot no
 longer counts as its (`SlotPool.vacate`, holding the slot) and its record is dropped. Restores stay lazy:
@@ -17,11 +18,12 @@ from kvsidecar.coordinator.pool import SlotPool, owner_slot
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
 from kvsidecar.coordinator.state import SessionRuntime
-from kvsidecar.errors import NotFound
+from kvsidecar.errors import NotFound, OperationTimeout, SaveFailed
 from kvsidecar.store.naming import validate_session_id
 from kvsidecar.store.snapshots import SnapshotStore
 
 INVALIDATED = "INVALIDATED_BY_REQUEST"
+CHECKPOINT = "checkpoint"  # the save trigger of a planned stop (kvsidecar_save_total{trigger})
 
 
 class SessionOperations:
@@ -101,3 +103,32 @@ class SessionOperations:
                 freed += await asyncio.to_thread(self.store.purge, rt.key)
                 purged += 1
         return {"purged": purged, "bytes_freed": freed}
+
+    async def checkpoint(self, server: str | None, *, wait: bool, timeout_s: float) -> dict[str, Any]:
+        """Save every dirty slot of `server` (None: every server) now, before a planned stop: the shutdown
+        checkpoint's own loop (`CheckpointPolicy.checkpoint_all`), run as the coordinator's task, so that a
+        caller that leaves or gives up never cancels a save. With `wait` the answer comes once every save
+        has committed: KV_SAVE_FAILED naming each session a stop would cost its unsaved turns, or
+        KV_OPERATION_TIMEOUT past `timeout_s` (the saves go on)."""
+        if server is not None and server not in self.servers:
+            raise NotFound(f"no such server: {server[:64]!r}", hint=f"Servers: {', '.join(self.servers)}.")
+        names = [server] if server is not None else list(self.servers)
+        dirty = sum(1 for rt in self.sessions.by_key.values() if rt.dirty and rt.identity.server in names)
+        task = self.checkpoints.spawn(self.checkpoints.checkpoint_all(CHECKPOINT, server=server))
+        out: dict[str, Any] = {"servers": names, "dirty": dirty, "waited": wait, "saved": None}
+        if not wait:
+            return out
+        done, _ = await asyncio.wait([task], timeout=timeout_s)
+        if not done:
+            raise OperationTimeout(
+                f"{dirty} dirty session(s): not all saved within {timeout_s:g} s (the saves go on)",
+                hint="Wait longer (--timeout), or see `kvsidecar status` for the sessions still unsaved.",
+            )
+        results = task.result()
+        failed = [f"{rt.identity.short} ({code})" for rt, code in results if code is not None]
+        if failed:
+            raise SaveFailed(
+                f"{len(failed)} of {len(results)} dirty session(s) not saved: {', '.join(failed)}",
+                hint="A stop now costs those sessions their unsaved turns; see the daemon log and status.",
+            )
+        return {**out, "saved": len(results)}

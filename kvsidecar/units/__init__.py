@@ -1,8 +1,10 @@
 """systemd unit templates rendered by `kvsidecar install-systemd` (systemd/ holds the default rendering).
 
-Directories under /var/lib/ become `StateDirectory=` entries, which systemd creates with the unit's user,
-group and mode: the state directory in kvsidecar's unit (0700), the snapshot directory in llama-server's
-(2770: setgid, shared with kvsidecar's group). Elsewhere they are `ReadWritePaths=` the admin creates.
+llama-server's unit runs `kvsidecar checkpoint --wait` in `ExecStop=`: a planned stop or restart saves
+every dirty slot first. Directories under /var/lib/ become `StateDirectory=` entries, which systemd
+creates with the unit's user, group and mode: the state directory in kvsidecar's unit (0700), the
+snapshot directory in llama-server's (2770: setgid, shared with kvsidecar's group). Elsewhere they are
+`ReadWritePaths=` the admin creates.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ class UnitParams:
     model: str = "/var/lib/llama/models/model.gguf"
     llama_port: int = 8080
     llama_unit: str = "llama-server.service"
+    server: str = "local"  # the config's server llama-server.service runs (its ExecStop saves its slots)
     # More directories kvsidecar writes: the other servers' snapshot directories, api.unix_socket's.
     kv_writable: tuple[str, ...] = ()
     stop_timeout_s: int = 90
+    checkpoint_timeout_s: int = 60  # how long llama-server's ExecStop waits for kvsidecar's saves
     # Every address kvsidecar listens on or connects to is loopback: the unit may deny all others.
     loopback_only: bool = True
 

@@ -3,6 +3,7 @@ output into a closed pipe, a taken port at serve, and the human text of show and
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -25,9 +26,11 @@ from kvsidecar.client import KvSidecar
 from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import SnapshotStore
+from kvsidecar.testing.poll import until
 from tests.unit.coordinator_helpers import start_harness
 from tests.unit.http.test_openapi import Api
 from tests.unit.store.test_snapshots import FP, server_writes
+from tests.unit.test_readme import serve_daemon
 
 
 def write_config(tmp_path: Path, **extra: object) -> Path:
@@ -476,3 +479,65 @@ async def test_sessions_shows_the_client_signal_visible_id_reuse_and_last_outcom
         "0/100",
     ]
     assert "100/200" in row and sid not in text
+
+
+async def test_checkpoint_command_over_the_hook_api(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvsidecar checkpoint [--server] [--wait] [--timeout]` against the daemon serving on a loopback port
+    (the fake backend): exit 0 once committed; 1 naming what a save failed or did not finish in time; 3
+    with no daemon; 2 for a bad --timeout."""
+    (tmp_path / "d").mkdir()
+    async with serve_daemon(tmp_path / "d") as served:
+        token = tmp_path / "d" / "token"
+        cfg = str(
+            write_config(
+                tmp_path, api={"listen": served.url.removeprefix("http://"), "token_file": str(token)}
+            )
+        )
+        coordinator = served.daemon.coordinator
+
+        async def run(*argv: str) -> tuple[int, str, str]:
+            code = await asyncio.to_thread(main, ["-c", cfg, "checkpoint", *argv])
+            out = capsys.readouterr()
+            return code, out.out, out.err
+
+        async def dirty_turn() -> str:
+            lease = await coordinator.acquire("S", provider="local", model="m")
+            assert lease.slot_id is not None and lease.lease_id is not None
+            n = len(served.fake.slots[lease.slot_id].tokens) + 50
+            prompt_n, cache_n = served.fake.infer(lease.slot_id, list(range(n)))
+            await coordinator.release(
+                lease.lease_id, status="ok", prompt_tokens=prompt_n, cached_tokens=cache_n
+            )
+            return str(coordinator.session_views()[0]["session"])
+
+        short = await dirty_turn()
+        assert await run("--wait") == (0, "saved 1 dirty session(s) of local: nothing unsaved\n", "")
+        assert coordinator.session_views()[0]["unsaved_turns"] == 0
+        await dirty_turn()
+        served.fake.fail_next_save()
+        code, _, err = await run("--wait", "--server", "local")
+        assert code == 1 and err.startswith(
+            f"kvsidecar: KV_SAVE_FAILED: 1 of 1 dirty session(s) not saved: {short}"
+        )
+        hold = served.fake.hold("save")
+        code, _, err = await run("--wait", "--timeout", "0.3")
+        assert code == 1 and "KV_OPERATION_TIMEOUT" in err
+        hold.release()
+        await until(
+            lambda: coordinator.session_views()[0]["unsaved_turns"] == 0, what="the save left running"
+        )
+        code, out, _ = await run("--json", "--server", "local")
+        assert code == 0 and json.loads(out) == {
+            "servers": ["local"],
+            "dirty": 0,
+            "waited": False,
+            "saved": None,
+        }
+        code, _, err = await run("--server", "elsewhere")
+        assert code == 1 and "KV_NOT_FOUND: no such server: 'elsewhere'" in err
+    assert (await run("--wait"))[0] == 3  # the daemon is gone
+    with pytest.raises(SystemExit) as usage:
+        main(["-c", cfg, "checkpoint", "--timeout", "0"])
+    assert usage.value.code == 2

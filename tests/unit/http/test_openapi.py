@@ -41,7 +41,7 @@ VALID_BODY: dict[str, dict[str, Any]] = {
     "ReleaseBody": {"status": "ok"},
     "EventBody": {"type": "flush"},
 }
-BAD_QUERY = {"DoctorQuery": "deep=maybe", "GcQuery": "dry_run=maybe"}
+BAD_QUERY = {"DoctorQuery": "deep=maybe", "GcQuery": "dry_run=maybe", "CheckpointQuery": "wait=maybe"}
 
 
 def closed(doc: dict[str, Any]) -> dict[str, Any]:
@@ -312,6 +312,7 @@ async def test_every_route_used_as_meant_answers_its_declared_200(h: Harness) ->
         await use("GET", "/metrics")
         await use("GET", "/v1/doctor")
         await use("POST", "/v1/gc", query="dry_run=true")
+        assert (await use("POST", "/v1/checkpoint", query="wait=true")).json()["waited"] is True
         await use("POST", "/v1/sessions/{session_id}/invalidate")
         await use("DELETE", "/v1/sessions/{session_id}")
         await use("GET", "/healthz")

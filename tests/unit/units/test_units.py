@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from kvsidecar.cli import main
+from kvsidecar.cli import build_parser, cmd_checkpoint, main
 from kvsidecar.daemon.lifecycle import ReadyGate
 from kvsidecar.testing.llama import free_port
 from kvsidecar.units import UNITS, UnitParams, render
@@ -502,3 +502,55 @@ def test_units_are_replaced_atomically_and_never_written_through_a_link(
     code, _ = _run(tmp_path, cfg)
     assert code == 2 and f"is a link to {other}" in capsys.readouterr().err
     assert other.read_text() == "theirs" and not (units / "kvsidecar.service").exists()
+
+
+def _exec_stop(unit: str) -> str:
+    (line,) = [x for x in unit.splitlines() if x.startswith("ExecStop=")]
+    return line.removeprefix("ExecStop=")
+
+
+def test_llama_servers_stop_saves_every_dirty_slot_first(tmp_path: Path) -> None:
+    """`ExecStop=` runs `kvsidecar checkpoint --wait` for the unit's server before systemd sends SIGTERM:
+    as root (`+`: it reads kvsidecar's config and token), its failure ignored (`-`: at shutdown kvsidecar
+    stops first); its timeout is the shutdown checkpoint's, within TimeoutStopSec=."""
+    config = _config(
+        tmp_path,
+        servers={
+            "gpu": {"snapshot_dir": "/var/lib/kvsidecar/snapshots", "base_url": "http://127.0.0.1:8080"}
+        },
+        routes={"local": "gpu"},
+        checkpoint={"shutdown_timeout_s": 90.5},
+    )
+    dest = _install(tmp_path, config)
+    unit = (dest / "llama-server.service").read_text()
+    command = _exec_stop(unit)
+    assert command.startswith("-+")
+    argv = command[2:].split()
+    assert argv == [
+        str(tmp_path / "bin" / "kvsidecar"),
+        "-c",
+        str(config),
+        "checkpoint",
+        "--server",
+        "gpu",
+        "--wait",
+        "--timeout",
+        "91",
+    ]
+    args = build_parser().parse_args(argv[1:])  # the command the unit runs is one this CLI takes
+    assert (args.func, args.server, args.wait, args.timeout) == (cmd_checkpoint, "gpu", True, 91.0)
+    assert "TimeoutStopSec=120" in unit.splitlines()
+    assert "ExecStop=" not in (dest / "kvsidecar.service").read_text()  # its SIGTERM is its checkpoint
+    assert_verifies(dest)
+    shipped = _exec_stop((REPO / "systemd" / "llama-server.service").read_text())
+    assert shipped.endswith("checkpoint --server local --wait --timeout 60")
+
+
+def test_a_server_name_systemd_would_split_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = {"snapshot_dir": "/var/lib/kvsidecar/snapshots", "base_url": "http://127.0.0.1:8080"}
+    err = _refused(
+        tmp_path, _config(tmp_path, servers={"my gpu": server}, routes={"local": "my gpu"}), capsys
+    )
+    assert "UNIT_SYNTAX: servers (its ExecStop's --server) 'my gpu'" in err
