@@ -122,8 +122,8 @@ def make_dirs(directory: Path, mode: int) -> list[Path]:
             at = at.parent
             continue
         except FileNotFoundError:
-            if os.path.lexists(at):
-                raise ConfigError(f"{at}: a link that leads nowhere; nothing created there") from None
+            if os.path.lexists(at) or at.parent == at:  # (or a working directory deleted under us)
+                raise ConfigError(f"{at}: a link that leads nowhere, or gone; nothing created") from None
             missing.append(at)
             at = at.parent
             continue
@@ -142,7 +142,10 @@ def make_dirs(directory: Path, mode: int) -> list[Path]:
             continue
         except OSError as exc:
             raise ConfigError(f"{path}: cannot create the directory ({exc.strerror})") from None
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:  # replaced by something else since we made it
+            raise ConfigError(f"{path}: not the directory just created ({exc.strerror})") from None
         try:
             os.fchmod(fd, mode)
         finally:
