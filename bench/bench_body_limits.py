@@ -8,7 +8,10 @@ Sent straight to llama-server (no proxy), each with the tiny test model:
   after each crash;
 - width: how long llama-server takes, and its peak memory (VmHWM), for bodies of many values, of one wide
   object, and of one long string;
-- strings nested inside a string: a GBNF `grammar` of N nested parentheses, a lazy grammar's trigger pattern.
+- nesting inside values: a GBNF `grammar` of N nested parentheses or a chain of N rules, a JSON schema's
+  chain of N `$ref`s, a lazy grammar's trigger pattern of N nested groups or one word of N characters;
+- llama-server's own fields from a client, once each: a `chat_parser` with a cycle, a trigger of an unknown
+  type.
 
 `python bench/bench_body_limits.py [--quick]` writes bench/results/body_limits.json; docs/RELIABILITY.md
 quotes it.
@@ -29,7 +32,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write
+from common import RESULTS, write
 
 from kvsidecar.testing.llama import LlamaServer, llama_server_binary, vocab_dir
 from kvsidecar.testing.models import TINY, generate_llama_model
@@ -125,7 +128,66 @@ WIDTH_PROBES: list[Width] = [
     ),
 ]
 
+
+def rule_chain(n: int) -> bytes:
+    rules = "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(n)) + f'r{n} ::= "a"\n'
+    return json.dumps({"prompt": "x", "n_predict": 1, "grammar": rules}).encode()
+
+
+def ref_chain(n: int) -> bytes:
+    defs: dict[str, Any] = {f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in range(n)}
+    defs[f"a{n}"] = {"type": "string"}
+    return json.dumps(
+        {"prompt": "x", "n_predict": 1, "json_schema": {"$ref": "#/$defs/a0", "$defs": defs}}
+    ).encode()
+
+
+def word_trigger(n: int) -> bytes:
+    trigger = [{"type": 1, "value": "ab" * (n // 2)}]
+    body = {
+        "prompt": "x",
+        "n_predict": 1,
+        "grammar": 'root ::= "a"',
+        "grammar_lazy": True,
+        "grammar_triggers": trigger,
+    }
+    return json.dumps(body).encode()
+
+
+CYCLIC_PARSER = {
+    "parsers": [{"type": "rule", "name": "a", "child": 1, "trigger": False}, {"type": "ref", "name": "a"}],
+    "rules": {"a": 0},
+    "root": 0,
+}
+# One body each: does it kill llama-server at all?
+ONCE: dict[str, tuple[str, bytes]] = {
+    "chat_parser with a cycle": (
+        "/completion",
+        json.dumps(
+            {"prompt": "x", "n_predict": 2, "chat_format": 1, "chat_parser": json.dumps(CYCLIC_PARSER)}
+        ).encode(),
+    ),
+    "grammar trigger of an unknown type": (
+        "/completion",
+        json.dumps(
+            {
+                "prompt": "x",
+                "n_predict": 2,
+                "grammar": 'root ::= "a"',
+                "grammar_lazy": True,
+                "grammar_triggers": [{"type": 7, "value": "x"}],
+            }
+        ).encode(),
+    ),
+}
+
+# Bisected between 100 and 400,000, except where a range is given: a chain of 400,000 `$ref`s keeps
+# llama-server busy past the client's 300 s (it answers nothing, and lives), which bisection cannot read.
+RANGES: dict[str, tuple[int, int]] = {"json_schema, a chain of $ref": (1_000, 40_000)}
 GRAMMAR_PROBES: dict[str, tuple[str, Body]] = {
+    "grammar, a chain of rules": ("/completion", rule_chain),
+    "json_schema, a chain of $ref": ("/completion", ref_chain),
+    "grammar trigger, one long word (characters)": ("/completion", word_trigger),
     "grammar, nested parentheses": (
         "/completion",
         lambda n: json.dumps(
@@ -225,10 +287,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="depth only, a coarser search")
     parser.add_argument("--only", default="", help="run the probes whose name contains this")
+    parser.add_argument(
+        "--merge", action="store_true", help="update the existing result file with these probes"
+    )
     args = parser.parse_args()
     binary = llama_server_binary()
     model = generate_llama_model(TINY, vocab_dir=vocab_dir(binary))
-    out: dict[str, Any] = {"binary": str(binary), "depth": {}, "width": {}, "grammar": {}}
+    out: dict[str, Any] = {"binary": str(binary), "depth": {}, "width": {}, "grammar": {}, "once": {}}
     with tempfile.TemporaryDirectory() as tmp:
         rig = Rig(binary, model, Path(tmp))
         try:
@@ -238,8 +303,13 @@ def main() -> int:
                     print(name, found["crash_depth"], found["survives"], flush=True)
             for name, (path, body) in GRAMMAR_PROBES.items():
                 if args.only in name and not args.quick:
-                    out["grammar"][name] = found = crash_depth(rig, path, body, 100, 1_000_000)
+                    low, high = RANGES.get(name, (100, 400_000))
+                    out["grammar"][name] = found = crash_depth(rig, path, body, low, high)
                     print(name, found["crash_depth"], found["survives"], flush=True)
+            for name, (path, data) in ONCE.items():
+                if args.only in name and not args.quick:
+                    out["once"][name] = result = rig.send(path, data)
+                    print(name, result, flush=True)
             for name, build, sizes in WIDTH_PROBES:
                 if args.only in name and not args.quick:
                     rows = []
@@ -252,6 +322,10 @@ def main() -> int:
         finally:
             rig.server.stop()
         out["restarts"] = rig.restarts
+    if args.merge:  # a re-run of some probes: the others' figures are kept
+        kept = json.loads((RESULTS / "body_limits.json").read_text())
+        for section in ("depth", "width", "grammar", "once"):
+            out[section] = {**kept.get(section, {}), **out[section]}
     print(write("body_limits", out))
     return 0
 

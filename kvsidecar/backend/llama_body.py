@@ -26,18 +26,20 @@ from typing import Any, Final, NoReturn
 
 from kvsidecar.errors import BadRequest, BodyLimit
 
-# Measured on llama-server 11434 (docs/RELIABILITY.md has the figures): it dies at a nesting depth in the
-# thousands on its worst routes; real agent clients' bodies nest 13 deep at most.
+# Measured on llama-server 11434 (bench/bench_body_limits.py; docs/RELIABILITY.md has the figures): it dies
+# at 11,493 levels in a `json_schema`, 58,522 in a tool's schema; real agent clients' bodies nest 13 deep.
 MAX_DEPTH: Final = 128
 # Values (scalars and containers) and object keys; a 128K-token prompt sent as token ids is 128K values.
 MAX_NODES: Final = 1_000_000
-# Members of one object: llama-server's objects insert in time linear in their size.
-MAX_MEMBERS: Final = 10_000
-# `$ref`s in the whole body: llama-server follows a JSON schema's references recursively (a chain of a few
-# thousand kills it), in `json_schema`, `response_format` and tools' parameters alike.
-MAX_SCHEMA_REFS: Final = 512
-# A GBNF `grammar`: groups nested (its parser recurses per level) and rules (its left-recursion check and
-# its matcher recurse along a chain of rules).
+# Members of one object: llama-server's objects insert in time linear in their size, so a body's parse costs
+# (values / members) * members^2: 10,000 members take it 0.7 s, 100,000 take 51 s. OpenAI caps `logit_bias`,
+# the widest object a client sends on purpose, at 300.
+MAX_MEMBERS: Final = 1_000
+# `$ref`s in the whole body: llama-server follows a JSON schema's references recursively (a chain of 6,407
+# kills it), in `json_schema`, `response_format` and tools' parameters alike.
+MAX_SCHEMA_REFS: Final = 256
+# A GBNF `grammar`: groups nested (its parser recurses per level: 18,648 kill it) and rules (its checks
+# recurse along a chain of rules: 65,708 kill it).
 MAX_GRAMMAR_NESTING: Final = MAX_DEPTH
 MAX_GRAMMAR_RULES: Final = 4096
 MAX_GRAMMAR_CHARS: Final = 256 * 1024  # grammars written by hand or generated from a schema are a few KiB
@@ -68,18 +70,20 @@ def _prescan(body: bytes) -> None:
 
 
 class _Objects:
-    """The parser's object hook: the members of each object, and the `$ref`s of the whole body."""
+    """The parser's object hook: the members of each object (a repeated key counts once, as it does in
+    llama-server's map), and the `$ref`s of the whole body."""
 
     def __init__(self) -> None:
         self.refs = 0
 
-    def __call__(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        if len(pairs) > MAX_MEMBERS:
+    def __call__(self, obj: dict[str, Any]) -> dict[str, Any]:
+        if len(obj) > MAX_MEMBERS:
             raise BodyLimit(f"a JSON object in the body has more than {MAX_MEMBERS} members")
-        self.refs += sum(1 for key, _ in pairs if key == "$ref")
-        if self.refs > MAX_SCHEMA_REFS:
-            raise BodyLimit(f"the body's JSON schemas have more than {MAX_SCHEMA_REFS} $ref")
-        return dict(pairs)
+        if "$ref" in obj:
+            self.refs += 1
+            if self.refs > MAX_SCHEMA_REFS:
+                raise BodyLimit(f"the body's JSON schemas have more than {MAX_SCHEMA_REFS} $ref")
+        return obj
 
 
 def _constant(name: str) -> NoReturn:
@@ -102,7 +106,7 @@ def read_json(body: bytes) -> Any:
     except UnicodeDecodeError:
         raise BadRequest("the request body is not UTF-8 text") from None
     try:
-        return json.loads(text, object_pairs_hook=_Objects(), parse_constant=_constant, parse_float=_finite)
+        return json.loads(text, object_hook=_Objects(), parse_constant=_constant, parse_float=_finite)
     except (ValueError, RecursionError) as exc:
         raise BadRequest(f"the request body is not JSON: {str(exc)[:200]}") from None
 

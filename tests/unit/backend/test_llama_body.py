@@ -95,6 +95,8 @@ def test_values_members_and_refs_are_bounded() -> None:
     assert read_json(json.dumps(members).encode()) == members
     with pytest.raises(BodyLimit, match="members"):
         read_json(json.dumps({**members, "one more": 0}).encode())
+    # a repeated key is one member, in llama-server's map as here: it costs no more than one
+    assert read_json(b"{" + b'"a":0,' * (2 * MAX_MEMBERS) + b'"a":1}') == {"a": 1}
     refs = [{"$ref": f"#/$defs/a{i}"} for i in range(MAX_SCHEMA_REFS)]
     assert read_json(json.dumps({"json_schema": {"anyOf": refs}}).encode())
     with pytest.raises(BodyLimit, match=r"\$ref"):

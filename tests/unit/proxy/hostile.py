@@ -156,6 +156,11 @@ def paths(value: Any, at: Path = ()) -> Iterator[Path]:
             yield from paths(sub, (*at, index))
 
 
+_STRUCTURAL = frozenset(
+    {"type", "role", "content", "text", "source", "input", "messages", "system", "tools", "output"}
+)
+
+
 @functools.cache
 def _paths(index: int) -> list[Path]:
     return list(paths(corpus()[index][1]))
@@ -205,7 +210,9 @@ def mutated(draw: st.DrawFn, routes: tuple[str, ...] | None = None) -> tuple[str
     index = draw(st.sampled_from(candidates))
     route, body = corpus()[index]
     if draw(st.booleans()):
-        path = draw(st.sampled_from(_paths(index)))
+        every = _paths(index)
+        keyed = [p for p in every if p and p[-1] in _STRUCTURAL]  # where the readers branch: drawn as often
+        path = draw(st.sampled_from(keyed if keyed and draw(st.booleans()) else every))
         return route, replaced(body, path, draw(JSON))
     where = draw(st.sampled_from([p for p in _paths(index) if isinstance(get(body, p), dict)]))
     key = draw(
