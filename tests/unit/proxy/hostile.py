@@ -212,7 +212,8 @@ def mutated(draw: st.DrawFn, routes: tuple[str, ...] | None = None) -> tuple[str
     if draw(st.booleans()):
         every = _paths(index)
         keyed = [p for p in every if p and p[-1] in _STRUCTURAL]  # where the readers branch: drawn as often
-        path = draw(st.sampled_from(keyed if keyed and draw(st.booleans()) else every))
+        structural = bool(keyed) and draw(st.booleans())
+        path = draw(st.sampled_from(keyed if structural else every))
         return route, replaced(body, path, draw(JSON))
     where = draw(st.sampled_from([p for p in _paths(index) if isinstance(get(body, p), dict)]))
     key = draw(

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvsidecar.backend.base import BackendCapabilities
 from kvsidecar.backend.llama_body import MAX_DEPTH, check_fields, read_json
@@ -279,20 +280,31 @@ def test_the_gate_reads_a_transcriptions_form_and_needs_audio() -> None:
 
 
 # -- any JSON at any field: 2xx or 4xx, and only what the proxy could read reaches llama-server -------------
+POSTED = sorted(p for p, (methods, _) in ROUTES.items() if "POST" in methods)
+ID_HEADERS = ["x-session-id", "x-claude-code-session-id", "session-id", "thread-id", "x-codex-turn-metadata"]
+HEADER_VALUE = st.binary(max_size=40).map(lambda b: bytes(c for c in b if c >= 0x20 and c != 0x7F).strip())
+
+
 async def test_any_json_at_any_field_is_answered_2xx_or_4xx(r: Rig) -> None:
-    bodies: list[tuple[str, Any]] = []
+    """Mutated chat, Messages and Responses bodies, to their own route or any route that takes a body, with any
+    value of the session headers the proxy reads: never a 5xx, and only what the gate admits reaches llama-server."""
+    cases: list[tuple[str, Any, dict[str, bytes]]] = []
 
     @settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(mutated())
-    def collect(case: tuple[str, Any]) -> None:
-        bodies.append(case)
+    @given(
+        mutated(),
+        st.none() | st.sampled_from(POSTED),
+        st.dictionaries(st.sampled_from(ID_HEADERS), HEADER_VALUE, max_size=2),
+    )
+    def collect(case: tuple[str, Any], route: str | None, headers: dict[str, bytes]) -> None:
+        cases.append((route or case[0], case[1], headers))
 
     collect()
     async with r.client() as c:
-        for i, (path, body) in enumerate(bodies):
-            headers = {"content-type": "application/json"} | ({"x-session-id": f"s{i % 3}"} if i % 2 else {})
-            resp = await c.post(path, content=json.dumps(body).encode(), headers=headers)
-            assert resp.status_code < 500, (path, body, resp.text)
-    for sent in r.origin.requests:  # nothing the proxy could not read went on
-        check_fields(read_json(sent.body))
+        for path, body, headers in cases:
+            sent = {b"content-type": b"application/json", **{k.encode(): v for k, v in headers.items()}}
+            resp = await c.post(path, content=json.dumps(body).encode(), headers=sent)
+            assert resp.status_code < 500, (path, body, headers, resp.text)
+    for upstream in r.origin.requests:  # nothing the proxy could not read went on
+        check_fields(read_json(upstream.body))
     assert r.h.coordinator.status()["leases"] == 0
