@@ -176,8 +176,7 @@ class Proxy:
             if sent.started:
                 raise  # the listener cuts the connection: a broken answer never looks complete
             bug = InvariantViolation("unexpected error in the proxy; see the daemon log", hint="A bug.")
-            route = classify(scope["method"], scope.get("raw_path") or scope["path"].encode("utf-8"))
-            await self._refuse(bug, scope, receive, send, path=route[0] if route else None)
+            await self._refuse(bug, scope, receive, send)
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw_path = scope.get("raw_path") or scope["path"].encode("utf-8")
@@ -201,7 +200,7 @@ class Proxy:
             shown = scope["path"][:80]
             refusal = ProxyForbidden(f"the proxy does not forward {scope['method']} {shown!r}")
         if refusal is not None:
-            await self._refuse(refusal, scope, receive, send, path=route[0] if route else None)
+            await self._refuse(refusal, scope, receive, send)
             return
         assert route is not None
         path, kind = route
@@ -211,14 +210,13 @@ class Proxy:
             return
         if body is None:
             too_big = PayloadTooLarge(f"request body is over {self.cfg.max_body_bytes} bytes")
-            await self._refuse(too_big, scope, receive, send, path=path)
+            await self._refuse(too_big, scope, receive, send)
             return
+        caps = self.coordinator.servers[self.cfg.server].caps
         try:  # the one body gate: nothing of a body reaches llama-server (or a peer) before it
-            admit(
-                scope["method"], path, scope["headers"], body, self.coordinator.servers[self.cfg.server].caps
-            )
+            admit(scope["method"], path, scope["headers"], body, caps)
         except KvError as exc:
-            await self._refuse(exc, scope, receive, send, path=path)
+            await self._refuse(exc, scope, receive, send)
             return
         if kind is RouteKind.INFO:
             out = self._outbound(scope, path, body, authenticated=not public, pinned=False)
@@ -227,31 +225,25 @@ class Proxy:
         try:
             call = self.sessions.read(scope, headers, path, kind, body)
         except (KvError, ConversionError) as exc:
-            await self._refuse(exc, scope, receive, send, path=path)
+            await self._refuse(exc, scope, receive, send)
             return
         except Exception:  # a body none of the readers should have failed on: a 400, never a 500
             log.exception("kv.proxy.unreadable_body")
-            unreadable = BadRequest(f"the proxy could not read this {path} body; see the daemon log")
-            await self._refuse(unreadable, scope, receive, send, path=path)
+            await self._refuse(BadRequest(f"the proxy could not read this {path} body"), scope, receive, send)
             return
         await self._on_slot(scope, receive, send, call)
 
     async def _refuse(
-        self,
-        exc: KvError | ConversionError,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        *,
-        path: str | None = None,
+        self, exc: KvError | ConversionError, scope: Scope, receive: Receive, send: Send
     ) -> None:
         """Answer a refusal in the route's own shape (Anthropic's on its routes, OpenAI's elsewhere); an
         Anthropic request that cannot be converted is Anthropic's 400 with the conversion's code."""
         self.requests.labels("refused", exc.code).inc()
+        route = classify(scope["method"], scope.get("raw_path") or scope["path"].encode("utf-8"))
         if isinstance(exc, ConversionError):
             answer = Response(exc.body(), status_code=exc.status, media_type="application/json")
         else:
-            answer = error_answer(exc, anthropic=path in ANTHROPIC_ROUTES)
+            answer = error_answer(exc, anthropic=route is not None and route[0] in ANTHROPIC_ROUTES)
         await answer(scope, receive, send)
 
     def _check_unpinned(self, call: SlotCall) -> None:
@@ -333,7 +325,7 @@ class Proxy:
                 prefix_from=self.sessions.donor(call),
             )
         except KvError as exc:
-            await self._refuse(exc, scope, receive, send, path=call.path)
+            await self._refuse(exc, scope, receive, send)
             return None
         finally:
             watch.cancel()
