@@ -26,6 +26,8 @@
     │   ├── NotFound                KV_NOT_FOUND             no such route, session
     │   ├── MethodNotAllowed        KV_METHOD_NOT_ALLOWED    a route that does not take this method
     │   ├── ProxyForbidden          KV_PROXY_FORBIDDEN       a route the proxy does not forward
+    │   ├── BodyLimit               KV_BODY_LIMIT            a body over what llama-server parses safely
+    │   ├── ModalityUnsupported     KV_MODALITY_UNSUPPORTED  an image/audio/video part the model cannot take
     │   ├── RequestTimeout          KV_REQUEST_TIMEOUT       a request head not complete in time
     │   └── HeadersTooLarge         KV_HEADERS_TOO_LARGE     a request head over the listener's limits
     ├── TooManyConnections          KV_TOO_MANY_CONNECTIONS  a listener at max_connections, all busy
@@ -207,6 +209,26 @@ class ProxyForbidden(RequestError):
     )
 
 
+class BodyLimit(RequestError):
+    """A request body over the limits llama-server is known to parse safely (nesting, values, members of one
+    object: `kvsidecar.backend.llama_body`), refused before anything reaches it."""
+
+    code = "KV_BODY_LIMIT"
+    default_hint = (
+        "The proxy forwards only JSON within the limits llama-server parses safely: nesting depth, values, "
+        "members of one object (docs/API.md, Proxy mode)."
+    )
+
+
+class ModalityUnsupported(RequestError):
+    """An image, audio or video part for a model llama-server runs without that input (no `--mmproj`)."""
+
+    code = "KV_MODALITY_UNSUPPORTED"
+    default_hint = (
+        "Send text only, or start llama-server with a multimodal projector (--mmproj) that takes this input."
+    )
+
+
 class RequestTimeout(RequestError):
     code = "KV_REQUEST_TIMEOUT"
     default_hint = "Send the whole request head within header_timeout_s (api/proxy config)."
@@ -305,6 +327,8 @@ HTTP_STATUS: dict[str, int] = {
     NotFound.code: 404,
     MethodNotAllowed.code: 405,
     ProxyForbidden.code: 403,
+    BodyLimit.code: 400,
+    ModalityUnsupported.code: 400,
     RequestTimeout.code: 408,
     HeadersTooLarge.code: 431,
     TooManyBodies.code: 429,

@@ -80,6 +80,7 @@ ROUTES: dict[str, tuple[frozenset[str], RouteKind]] = {
         (_POST, RouteKind.UNPINNED),
     ),
 }
+ANTHROPIC_ROUTES = frozenset({"/v1/messages", "/v1/messages/count_tokens"})  # Anthropic's error shape
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})  # llama-server answers these without its API key
 CONVERTED_TARGET = "/v1/chat/completions"  # where a CONVERTED request goes, pinned
 # Request headers that change what llama-server does with a slot: with `X-Conversation-Id` it keeps

@@ -8,7 +8,9 @@ body too large, no free slot, ...) has the shape OpenAI-compatible clients parse
 
 `code` is kvsidecar's stable code (`kvsidecar.errors`), the status its HTTP status, `type` OpenAI's word
 for that status; `hint` is ours (clients ignore a field they do not know). The openai SDK raises the class
-of the status (`PermissionDeniedError` for 403, ...) with `.code` set to our code. An error answer of
+of the status (`PermissionDeniedError` for 403, ...) with `.code` set to our code. On the routes of
+Anthropic's API (`/v1/messages`, `/v1/messages/count_tokens`) the same error comes in Anthropic's shape,
+`{"type": "error", "error": {"type": ..., "message": ..., "code": ...}}`. An error answer of
 llama-server itself is forwarded unchanged.
 
 Headers. A session's answer carries `X-KV-Outcome` and, whenever the session did not come back warm (or
@@ -37,6 +39,7 @@ from kvsidecar.errors import (
 )
 from kvsidecar.fingerprint import reasons as fingerprint
 from kvsidecar.proxy import client_content, client_ids
+from kvsidecar.proxy.anthropic_errors import anthropic_error
 from kvsidecar.store import manifest, table
 
 # OpenAI's error `type` for each status the proxy answers with (llama-server uses the same words).
@@ -71,14 +74,20 @@ def openai_error(exc: KvError) -> dict[str, dict[str, str | None]]:
     }
 
 
-def error_answer(exc: KvError, headers: Mapping[str, str] | None = None) -> Response:
-    """A whole error answer: status, OpenAI-shaped JSON body, `Retry-After` where waiting helps."""
+def error_answer(
+    exc: KvError, headers: Mapping[str, str] | None = None, *, anthropic: bool = False
+) -> Response:
+    """A whole error answer: status, OpenAI-shaped JSON body (with `anthropic`, Anthropic's shape, for the
+    routes of its API), `Retry-After` where waiting helps."""
     extra = (
         {"retry-after": "1"}
         if isinstance(exc, SlotBusy | ShuttingDown | TooManyConnections | TooManyBodies)
         else {}
     )
-    body = json.dumps(openai_error(exc), ensure_ascii=False, separators=(",", ":")).encode()
+    if anthropic:
+        body = anthropic_error(http_status(exc), exc.message, code=exc.code)
+    else:
+        body = json.dumps(openai_error(exc), ensure_ascii=False, separators=(",", ":")).encode()
     headers = {**extra, **(headers or {})}
     return Response(body, status_code=http_status(exc), headers=headers, media_type="application/json")
 

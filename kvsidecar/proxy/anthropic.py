@@ -102,7 +102,9 @@ def _int(value: Any, path: str, *, low: int, high: int = MAX_INT) -> int:
 
 
 def _number(value: Any, path: str) -> float | int:
-    if type(value) not in (int, float) or not math.isfinite(value) or abs(value) > MAX_INT:
+    # an integer is compared as one: math.isfinite() cannot take one beyond a double (10**400)
+    finite = type(value) is int or (type(value) is float and math.isfinite(value))
+    if not finite or abs(value) > MAX_INT:
         raise _bad(path, "expected a finite number")
     return value  # type: ignore[no-any-return]
 

@@ -1,13 +1,12 @@
 """Proxy mode: llama-server's own HTTP API on a second listener, with session-pinned KV persistence.
 
 Only an allowlist of llama-server's routes is forwarded (`kvsidecar.backend.llama_http.ROUTES`: all of
-kvsidecar's knowledge of llama-server's routes, slot pinning and API key lives there), matched on the path
-as llama-server's HTTP library (cpp-httplib) will see it: percent escapes decoded (`%XX` and `%uXXXX`),
-compared literally and case-sensitively, and forwarded under its canonical spelling, so what llama-server
-routes is exactly what was checked. Slot management (`/slots...`), settings (`POST /props`,
-`POST /lora-adapters`), the router's model management, stream replay, tools and anything unknown get 403
-`KV_PROXY_FORBIDDEN`:
-kvsidecar is the only client of slot actions.
+kvsidecar's knowledge of llama-server's routes, slot pinning and API key lives there), matched as
+cpp-httplib will route the path (escapes `%XX`, `%uXXXX` decoded once, compared literally and
+case-sensitively) and forwarded under its canonical spelling. Slot management, settings, model management,
+stream replay, tools and anything unknown get 403 `KV_PROXY_FORBIDDEN`: kvsidecar is the only client of
+slot actions. Every body then passes one gate (`kvsidecar.proxy.gate`) before anything of it reaches
+llama-server or a peer. Refusals come in the route's own error shape (Anthropic's on its routes).
 
 Every forwarded route that runs on a slot goes through the coordinator, so nothing the proxy forwards
 can change a slot kvsidecar believes it knows:
@@ -33,17 +32,10 @@ Routes where llama-server ignores `id_slot` (embeddings, rerank, transcriptions,
 are forwarded only to a llama-server with a single slot, which the lease then holds. Requests for more
 than one completion (`n`, `n_cmpl`) are refused: llama-server would run the others on other slots.
 
-A session's KV is named by its id and, with `proxy.identity: session+model` (the default), the request's
-`model` string; with `proxy.identity: session` by the id alone, so a client that varies `model` keeps one
-session. Either way a snapshot is restored only into the runtime it was saved under (its fingerprint:
-model file, KV layout, build, ...): the model that runs is llama-server's, whatever the string says.
-
-A client that disconnects (or is cut by the listener's limits, `kvsidecar.http.listener`) aborts the
-upstream request and the lease. Pure ASGI, so nothing is buffered on the way back. The hop itself
-(headers, streaming, the lease's end) is `kvsidecar.proxy.forward`; what the proxy says on its own
-(OpenAI-shaped errors, `X-KV-*` headers) is `kvsidecar.proxy.answers`; which session a request belongs to
-is `kvsidecar.proxy.sessions`; in fleet mode, a session that belongs on another host goes to that host's
-proxy (`kvsidecar.proxy.peers`).
+A session's KV is named by its id and (`proxy.identity: session+model`, the default) the `model` string.
+A client that disconnects (or is cut by the listener's limits) aborts the upstream request and the lease.
+Pure ASGI, nothing buffered on the way back. The hop: `kvsidecar.proxy.forward`; the proxy's own answers:
+`kvsidecar.proxy.answers`; sessions: `kvsidecar.proxy.sessions`; fleet peers: `kvsidecar.proxy.peers`.
 """
 
 from __future__ import annotations
@@ -54,9 +46,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from kvsidecar.backend.llama_http import (
+    ANTHROPIC_ROUTES,
     CONVERTED_TARGET,
     PUBLIC_PATHS,
     RouteKind,
@@ -71,6 +65,7 @@ from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.coordinator.state import AcquireResult, Outcome
 from kvsidecar.errors import (
     BackendUnavailable,
+    BadRequest,
     ConfigError,
     InvariantViolation,
     KvError,
@@ -85,6 +80,7 @@ from kvsidecar.proxy.answers import PROMPT_DIVERGED, SIGNAL_NONE, error_answer, 
 from kvsidecar.proxy.anthropic import chat_request_bytes
 from kvsidecar.proxy.anthropic_errors import ConversionError
 from kvsidecar.proxy.forward import Convert, Forwarder, Outbound, Release, hop_by_hop, lifespan
+from kvsidecar.proxy.gate import admit
 from kvsidecar.proxy.peers import HOP, PeerProxies, as_host
 from kvsidecar.proxy.sessions import ProxySessions, SlotCall
 from kvsidecar.proxy.upstream import Upstream
@@ -213,6 +209,7 @@ class Proxy:
             await self._refuse(refusal, scope, receive, send)
             return
         assert route is not None
+        path, kind = route
         try:
             body = await read_body(receive, self.cfg.max_body_bytes)
         except ClientGone:
@@ -221,31 +218,39 @@ class Proxy:
             too_big = PayloadTooLarge(f"request body is over {self.cfg.max_body_bytes} bytes")
             await self._refuse(too_big, scope, receive, send)
             return
-        path, kind = route
+        caps = self.coordinator.servers[self.cfg.server].caps
+        try:  # the one body gate: nothing of a body reaches llama-server (or a peer) before it
+            admit(scope["method"], path, scope["headers"], body, caps)
+        except KvError as exc:
+            await self._refuse(exc, scope, receive, send)
+            return
         if kind is RouteKind.INFO:
             out = self._outbound(scope, path, body, authenticated=not public, pinned=False)
             await self._forward(scope, out, receive, send, kind="passthrough")
             return
         try:
             call = self.sessions.read(scope, headers, path, kind, body)
-        except KvError as exc:
+        except (KvError, ConversionError) as exc:
             await self._refuse(exc, scope, receive, send)
             return
-        except ConversionError as exc:  # an Anthropic request that cannot be converted: Anthropic's 400
-            self.requests.labels("refused", exc.code).inc()
-            await self._anthropic_answer(send, exc.status, exc.body())
+        except Exception:  # a body none of the readers should have failed on: a 400, never a 500
+            log.exception("kv.proxy.unreadable_body")
+            await self._refuse(BadRequest(f"the proxy could not read this {path} body"), scope, receive, send)
             return
         await self._on_slot(scope, receive, send, call)
 
-    @staticmethod
-    async def _anthropic_answer(send: Send, status: int, body: bytes) -> None:
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-
-    async def _refuse(self, exc: KvError, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _refuse(
+        self, exc: KvError | ConversionError, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Answer a refusal in the route's own shape (Anthropic's on its routes, OpenAI's elsewhere); an
+        Anthropic request that cannot be converted is Anthropic's 400 with the conversion's code."""
         self.requests.labels("refused", exc.code).inc()
-        await error_answer(exc)(scope, receive, send)
+        route = classify(scope["method"], scope.get("raw_path") or scope["path"].encode("utf-8"))
+        if isinstance(exc, ConversionError):
+            answer = Response(exc.body(), status_code=exc.status, media_type="application/json")
+        else:
+            answer = error_answer(exc, anthropic=route is not None and route[0] in ANTHROPIC_ROUTES)
+        await answer(scope, receive, send)
 
     def _check_unpinned(self, call: SlotCall) -> None:
         """A route that ignores id_slot is safe only where llama-server has no other slot to pick."""

@@ -152,7 +152,8 @@ def _text_blocks(content: object, text_types: frozenset[str]) -> str:
         return _canonical(content)
     parts = []
     for block in content:
-        if isinstance(block, dict) and block.get("type") in text_types and isinstance(block.get("text"), str):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if isinstance(kind, str) and kind in text_types and isinstance(block.get("text"), str):
             parts.append("text:" + block["text"])
         else:
             parts.append(_canonical(block))
@@ -211,6 +212,8 @@ def _responses(body: Mapping[str, Any]) -> list[tuple[str, bytes]]:
         if not isinstance(item, dict):
             raise _Unusable
         kind = item.get("type", "message")
+        if not isinstance(kind, str):  # any JSON value: its canonical form stands for it
+            kind = _canonical(kind)
         if kind == "message" and isinstance(item.get("role"), str):
             extras = {
                 k: v for k, v in item.items() if k not in ("role", "content", "type", *_VOLATILE_ITEM_KEYS)
@@ -218,7 +221,7 @@ def _responses(body: Mapping[str, Any]) -> list[tuple[str, bytes]]:
             out.append(_element(item["role"], extras, _text_blocks(item.get("content"), _RESPONSE_TEXT)))
         else:
             rest = {k: v for k, v in item.items() if k not in _VOLATILE_ITEM_KEYS}
-            out.append(_element(str(kind)[:64], {}, _canonical(rest)))
+            out.append(_element(kind[:64], {}, _canonical(rest)))
     return out
 
 

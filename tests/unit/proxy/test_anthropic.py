@@ -12,6 +12,7 @@ import random
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from kvsidecar.proxy.anthropic import (
     MAX_DEPTH,
@@ -33,6 +34,7 @@ from kvsidecar.proxy.anthropic_errors import (
 from kvsidecar.proxy.anthropic_stream import MAX_EVENT_BYTES, StreamTransducer
 from tests.anthropic_helpers import accumulate, check_message, parse_sse
 from tests.unit.client_fixtures import load
+from tests.unit.proxy import hostile
 
 CLAUDE = [
     "p_turn1",
@@ -786,3 +788,28 @@ def test_stream_keepalive_before_the_message_stays_a_comment() -> None:
     t = StreamTransducer()
     assert t.feed(b":\n\n") == b":\n\n"
     assert parse_sse(t.feed(b":\n\n")) == []
+
+
+# -- hostile bodies: the conversion raises ConversionError only -----------------------------------------------
+def _converts_or_refuses(body: Any) -> None:
+    try:
+        chat_request_bytes(body, slot_id=0, cache_prompt=True, structured_output=True)
+    except ConversionError as exc:
+        assert exc.code in CODES and exc.status == 400
+
+
+def test_any_type_confusion_at_any_field_converts_or_is_a_conversion_error() -> None:
+    """Every path of every recorded and hand-written Messages body, replaced by each type confusion (an
+    integer beyond a double as `temperature` raised OverflowError: a 500)."""
+    for route, body in hostile.corpus(distinct=True):
+        if route != hostile.MESSAGES:
+            continue
+        for path in hostile.paths(body):
+            for value in hostile.CONFUSIONS:
+                _converts_or_refuses(hostile.replaced(body, path, value))
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(hostile.mutated(routes=(hostile.MESSAGES,)))
+def test_any_json_at_any_field_converts_or_is_a_conversion_error(case: tuple[str, Any]) -> None:
+    _converts_or_refuses(case[1])

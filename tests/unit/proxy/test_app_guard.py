@@ -270,9 +270,14 @@ async def test_more_than_one_completion_is_refused(r: Rig) -> None:
 
 
 async def test_a_pinned_route_needs_a_json_object(r: Rig) -> None:
-    for body in (b"not json", b"[1, 2]", b"[" * 100_000 + b"]" * 100_000, b""):
+    for body, code in (
+        (b"not json", "KV_BAD_REQUEST"),
+        (b"[1, 2]", "KV_BAD_REQUEST"),
+        (b"[" * 100_000 + b"]" * 100_000, "KV_BODY_LIMIT"),
+        (b"", "KV_BAD_REQUEST"),
+    ):
         resp = await _post(r, "/completion", body)
-        assert resp.status_code == 400 and resp.json()["error"]["code"] == "KV_BAD_REQUEST"
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == code, body[:20]
     assert r.origin.requests == []
     async with r.client() as c:  # a JSON body sent as a form still reaches llama-server as JSON
         resp = await c.post(
@@ -341,3 +346,65 @@ def test_proxy_provider_must_route_to_the_proxied_server(tmp_path: Path) -> None
     assert (
         config_from_mapping({**data, "proxy": {**data["proxy"], "provider": "pa"}}).proxy_provider() == "pa"
     )
+
+
+# Spellings of routes the proxy knows, and of ones it does not, each sent byte for byte. None: refused (403,
+# or 400 from the listener for a target HTTP does not allow) and nothing reaches llama-server; a path: what
+# llama-server must get, and nothing else.
+SPELLINGS: list[tuple[str, str, str | None]] = [
+    ("POST", "/v1/chat/completions/", None),
+    ("POST", "//v1/chat/completions", None),
+    ("POST", "/v1//chat/completions", None),
+    ("POST", "/v1/chat/./completions", None),
+    ("POST", "/v1/x/../chat/completions", None),
+    ("POST", "/v1/chat/%2e/completions", None),
+    ("POST", "/v1/chat/completions%2F", None),
+    ("POST", "/v1/chat/completions%00", None),
+    ("POST", "/v1/chat/completions%20", None),
+    ("POST", "/v1/chat/completions;x", None),
+    ("POST", "/v1/chat/completions\\", None),
+    ("POST", "/V1/CHAT/COMPLETIONS", None),
+    ("POST", "/v1/Messages", None),
+    ("POST", "/v1/messages/", None),
+    ("POST", "/v1/messages/count_tokens/", None),
+    ("POST", "/v1/messages/batches", None),
+    ("POST", "/v1/responses/resp_1", None),
+    ("POST", "/tokenize/", None),
+    ("POST", "/%2e%2e/tokenize", None),
+    ("POST", "/v1/chat/compl%u0065tions/", None),
+    ("POST", "/v1/chat/completions%3Fx=1", None),
+    ("POST", "http://127.0.0.1/v1/chat/completions/", None),
+    ("PUT", "/v1/chat/completions", None),
+    ("PATCH", "/props", None),
+    ("DELETE", "/v1/models", None),
+    ("OPTIONS", "/v1/models", None),
+    ("TRACE", "/health", None),
+    ("GET", "/v1/chat/completions", None),
+    ("HEAD", "/v1/chat/completions", None),
+    ("GET", "/tokenize", None),
+    ("POST", "/health", None),
+    ("POST", "/v1/models", None),
+    ("POST", "/v1/chat/%63ompletions", "/v1/chat/completions"),
+    ("POST", "/v1/chat%2Fcompletions", "/v1/chat/completions"),  # cpp-httplib decodes %2F in a path too
+    ("POST", "/v1/chat/completions?x=1&id_slot=3", "/v1/chat/completions?x=1&id_slot=3"),
+    ("POST", "http://127.0.0.1/tokenize", "/tokenize"),
+    ("GET", "/v1/models?x", "/v1/models?x"),
+    ("HEAD", "/v1/models", "/v1/models"),
+    ("POST", "/%74okenize", "/tokenize"),
+]
+
+
+async def test_unknown_routes_are_refused_in_any_spelling_and_known_ones_reach_llama_server_as_checked(
+    r: Rig,
+) -> None:
+    body = b'{"messages": [{"role": "user", "content": "x"}], "prompt": "x", "content": "x"}'
+    for method, target, reaches in SPELLINGS:
+        before = len(r.origin.requests)
+        resp = await raw_request(r.url, method, target, headers=AUTH, body=body if method != "HEAD" else b"")
+        sent = [q.target for q in r.origin.requests[before:]]
+        if reaches is None:
+            assert resp.status in (400, 403) and sent == [], (method, target, resp.status, sent)
+            if resp.status == 403 and method != "HEAD":
+                assert resp.json()["error"]["code"] == "KV_PROXY_FORBIDDEN"
+        else:
+            assert resp.status == 200 and sent == [reaches], (method, target, resp.status, sent)

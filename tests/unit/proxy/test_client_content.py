@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from kvsidecar.proxy import client_content as cc
 from kvsidecar.proxy.client_content import (
@@ -21,6 +22,7 @@ from kvsidecar.proxy.client_content import (
 )
 from kvsidecar.store.naming import validate_session_id
 from tests.unit.client_fixtures import load, posts
+from tests.unit.proxy import hostile
 
 
 def norm(client: str, name: str) -> Normalized:
@@ -253,3 +255,23 @@ def _mutate(value: Any, rng: random.Random, garbage: list[Any], depth: int = 0) 
             value[i] = rng.choice(garbage)
         else:
             _mutate(value[i], rng, garbage, depth + 1)
+
+
+# -- hostile bodies: normalize() never raises ------------------------------------------------------------------
+def test_any_type_confusion_at_any_field_normalizes_or_gives_none() -> None:
+    """Every path of every recorded and hand-written chat, Messages and Responses body, replaced by each of the
+    type confusions (`{"type": ["text"]}` raised TypeError here and made the proxy answer 500)."""
+    for route, body in hostile.corpus(distinct=True):
+        for path in hostile.paths(body):
+            for value in hostile.CONFUSIONS:
+                got = normalize(route, hostile.replaced(body, path, value))
+                assert got is None or isinstance(got, Normalized), (route, path, value)
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(hostile.mutated())
+def test_any_json_at_any_field_normalizes_or_gives_none(case: tuple[str, Any]) -> None:
+    route, body = case
+    for where in (route, "/v1/chat/completions", "/v1/messages", "/v1/responses"):  # under any route too
+        got = normalize(where, body)
+        assert got is None or isinstance(got, Normalized)

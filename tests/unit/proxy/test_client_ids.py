@@ -8,11 +8,14 @@ import random
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvsidecar.proxy import client_ids as ci
 from kvsidecar.proxy.client_ids import Recognition, asgi_headers, normalize_session_id, recognize
 from kvsidecar.store.naming import validate_session_id
 from tests.unit.client_fixtures import Recorded, load, posts
+from tests.unit.proxy import hostile
 
 
 def rec(r: Recorded, **kw: Any) -> Recognition:
@@ -255,3 +258,42 @@ def test_asgi_headers_lowercases_and_keeps_repeats() -> None:
     assert result.rejected == ((ci.SIG_CODEX_SESSION, ci.R_CHARS), (ci.SIG_SESSION_HEADER, ci.R_AMBIGUOUS))
     latin = asgi_headers([(b"x-session-id", b"caf\xe9")])  # printable but not a plain token: hashed
     assert recognize("/v1/chat/completions", latin, {}).hashed
+
+
+# -- hostile requests: recognition itself never fails ----------------------------------------------------------
+# `recognize()` turns any exception into "unrecognized"; its inner reading is held to raising nothing at all,
+# so that no hostile body silently costs a client its session id.
+HEADER_TEXT = st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=255), max_size=40)
+HEADER_NAMES = st.sampled_from(
+    [
+        "x-session-id",
+        "x-claude-code-session-id",
+        "session-id",
+        "thread-id",
+        "x-session-affinity",
+        "x-codex-turn-metadata",
+    ]
+)
+
+
+def test_any_type_confusion_at_any_field_is_read_without_error() -> None:
+    for route, body in hostile.corpus(distinct=True):
+        for path in hostile.paths(body):
+            for value in hostile.CONFUSIONS:
+                ci._recognize(route, {}, hostile.replaced(body, path, value), "x-session-id", "user")
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(
+    hostile.mutated(),
+    st.dictionaries(HEADER_NAMES | HEADER_TEXT, HEADER_TEXT | st.lists(HEADER_TEXT, max_size=3), max_size=4),
+)
+def test_any_json_and_any_headers_are_read_without_error(
+    case: tuple[str, Any], headers: dict[str, Any]
+) -> None:
+    route, body = case
+    got = ci._recognize(route, headers, body, "x-session-id", "user")
+    if got.session_id is not None:
+        assert validate_session_id(got.session_id) == got.session_id
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items() if isinstance(v, str)]
+    assert recognize(route, asgi_headers(raw), body) is not None
