@@ -16,11 +16,10 @@ import stat
 from kvsidecar.errors import KvError
 from kvsidecar.files.atomic import atomic_write_at
 from kvsidecar.files.confined import ConfinedDir, read_capped
-from kvsidecar.files.jsonlimits import JsonLimitError, loads_capped
+from kvsidecar.files.documents import FINGERPRINT_RECORD, DocumentError
 from kvsidecar.fingerprint.runtime import RuntimeFingerprint
 
-_MAX_BYTES = 1 << 20
-_MAX_DEPTH = 2
+_MAX_BYTES = FINGERPRINT_RECORD.max_bytes
 _MAX_ENTRIES = 4096
 
 
@@ -45,8 +44,8 @@ class FingerprintRecords:
         try:
             with self.directory.open_file(f"{digest}.json", uids=frozenset({os.geteuid()})) as (fd, _):
                 raw = read_capped(fd, _MAX_BYTES)
-            data = loads_capped(raw, max_bytes=_MAX_BYTES, max_depth=_MAX_DEPTH)
-        except (KvError, OSError, JsonLimitError):
+            data = FINGERPRINT_RECORD.read(raw)
+        except (KvError, OSError, DocumentError):
             return None
         if not isinstance(data, dict) or len(data) > _MAX_ENTRIES:
             return None

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import deque
@@ -35,6 +34,7 @@ from prometheus_client.registry import Collector
 
 from kvsidecar import __version__
 from kvsidecar.errors import KvError
+from kvsidecar.files.documents import QUEUED_RELEASE
 from kvsidecar.fleet import REDIS_DOWN, redacted
 from kvsidecar.fleet.gate import FleetGate
 from kvsidecar.fleet.ownership import Leases
@@ -248,7 +248,7 @@ class FleetAgent:
         released = 0
         for raw in items if isinstance(items, list) else []:
             try:
-                data = json.loads(raw) if isinstance(raw, bytes | str) and len(raw) <= 4096 else None
+                data = QUEUED_RELEASE.read(raw) if isinstance(raw, bytes | str) else None
                 lease = data.pop("lease", None) if isinstance(data, dict) else None
                 if not isinstance(lease, str) or not lease or len(lease) > MAX_LEASE_CHARS:
                     continue

@@ -40,6 +40,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from kvsidecar.config import HOST_ID, http_origin
+from kvsidecar.files.documents import HOST_RECORD, RESIDENCY
 from kvsidecar.logs import event
 
 RECORD_VERSION = 1
@@ -93,10 +94,8 @@ class HostRecord:
     def from_json(cls, text: str) -> HostRecord | None:
         """None for anything that is not a record we wrote (a peer's newer format, garbage)."""
         try:
-            if len(text) > MAX_VALUE:
-                return None
-            data = json.loads(text)
-            if not isinstance(data, dict) or data.get("v") != RECORD_VERSION:
+            data = HOST_RECORD.read(text)
+            if data.get("v") != RECORD_VERSION:
                 return None
             servers = tuple(_server(s) for s in data["servers"])
             # What this host will send its token to: a host id of ours, and origins only (scheme, host,
@@ -346,9 +345,9 @@ class FleetPlane:
         return {h: int(n) for h, n in zip(ids, counts, strict=True)}
 
 
-MAX_VALUE = 64 * 1024  # a Redis value larger than this is not one we wrote
-# What parsing a value from Redis may raise besides our own refusals (it is input: never past here).
-PARSE_ERRORS = (ValueError, TypeError, KeyError, OverflowError, RecursionError, AttributeError)
+# What reading a value from Redis may raise: the document reader's refusal (a ValueError), and a field of
+# the wrong type or missing (it is input: never past here).
+PARSE_ERRORS = (ValueError, TypeError, KeyError, OverflowError, AttributeError)
 
 
 def origin_of(url: str) -> str | None:
@@ -421,9 +420,9 @@ def _inward(records: Mapping[str, HostRecord], own: str | None, local: Iterable[
 
 def _residency(host_id: str, text: str) -> Residency | None:
     try:
-        if not isinstance(text, str) or len(text) > 1024:
+        if not isinstance(text, str):
             return None
-        data = json.loads(text)
+        data = RESIDENCY.read(text)
         slot, since, sid = data["slot"], data["t"], data.get("sid", "")
         if type(slot) is not int or not 0 <= slot < 1 << 20 or not isinstance(since, int | float):
             return None

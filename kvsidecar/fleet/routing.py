@@ -36,6 +36,7 @@ from kvsidecar.client.wire import segment
 from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.ownership import Claim
 from kvsidecar.errors import KvError, LeaseNotFound, NotFound
+from kvsidecar.files.documents import PEER_ANSWER, DocumentError
 from kvsidecar.fleet.agent import MAX_LEASE_CHARS, RELEASES_KEPT
 from kvsidecar.fleet.plane import DOWN, HostRecord, session_hash
 from kvsidecar.http.guards import DEADLINE_HEADER, HOP_HEADER
@@ -266,8 +267,8 @@ class FleetRouter:
     async def _drop_granted(self, host_id: str, answer: Response) -> None:
         """Release, on `host_id`, the lease its answer granted for a caller that is gone meanwhile."""
         try:
-            data = json.loads(bytes(answer.body)) if answer.status_code == 200 else None
-        except ValueError:
+            data = PEER_ANSWER.read(bytes(answer.body)) if answer.status_code == 200 else None
+        except ValueError:  # the reader's refusal (DocumentError)
             return
         lease = data.get("lease_id") if isinstance(data, dict) else None
         if not isinstance(lease, str) or not lease or len(lease) > 256:
@@ -420,9 +421,10 @@ class FleetRouter:
         response = await self.forward(host_id, method, path, body, 0)
         if response.status_code != 200:
             raise NotFound(f"host {host_id}: {response.status_code}")
-        data = json.loads(bytes(response.body))
-        if not isinstance(data, dict):
-            raise NotFound(f"host {host_id}: not an object")
+        try:
+            data: dict[str, Any] = PEER_ANSWER.read(bytes(response.body))
+        except DocumentError as exc:
+            raise NotFound(f"host {host_id}: not an answer of ours ({exc.reason})") from None
         return data
 
 
