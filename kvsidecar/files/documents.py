@@ -1,6 +1,6 @@
 """The one reader of the structured files kvsidecar reads back: every JSON or YAML document of ours
 (manifests, fingerprint records, the file-digest cache, carry-over verdicts, the state lock's record, the
-config file, fleet records and answers from Redis and peers, the journal's records) is parsed here and
+config file, fleet records and answers from Redis and peers) is parsed here and
 nowhere else (`tests/unit/files/test_documents.py` greps the package for any other parser).
 
 A file of ours is hostile input: damaged by a crash or a full disk, or written by someone else. Each kind of
@@ -167,30 +167,22 @@ def _json(name: str, *, max_bytes: int, max_depth: int, max_items: int, top: Any
     )
 
 
-# Every kind of document kvsidecar reads, with its caps (the owner of each is named).
+# Every kind of document kvsidecar reads, with its caps; the comment names the reader.
 MANIFEST = _json("manifest", max_bytes=64 * 1024, max_depth=4, max_items=512)  # store/manifest.py
-FINGERPRINT_RECORD = _json(
-    "fingerprint record", max_bytes=1 << 20, max_depth=2, max_items=8192
-)  # fingerprint/records.py
-DIGEST_CACHE = _json(
-    "file-digest cache", max_bytes=1 << 20, max_depth=2, max_items=4096
-)  # fingerprint/file_digests.py
-CARRY_VERDICTS = _json(
-    "carry-over verdicts", max_bytes=1 << 20, max_depth=2, max_items=8192
-)  # store/carryover.py
+# fingerprint/records.py: a flat map of strings
+FINGERPRINT_RECORD = _json("fingerprint record", max_bytes=1 << 20, max_depth=2, max_items=8192)
+# fingerprint/file_digests.py: {"version": 2, "entries": {identity: digest}}
+DIGEST_CACHE = _json("file-digest cache", max_bytes=1 << 20, max_depth=2, max_items=4096)
+# store/carryover.py: <state_dir>/build-equivalence.json
+CARRY_VERDICTS = _json("carry-over verdicts", max_bytes=1 << 20, max_depth=2, max_items=8192)
 LOCK_RECORD = _json("state lock record", max_bytes=4096, max_depth=1, max_items=64)  # daemon/statelock.py
-CONFIG = DocumentKind(
-    name="config", format="yaml", max_bytes=1 << 20, max_depth=32, max_items=100_000
-)  # config/file.py
+# config/file.py: the config file
+CONFIG = DocumentKind(name="config", format="yaml", max_bytes=1 << 20, max_depth=32, max_items=10_000)
 HOST_RECORD = _json("fleet host record", max_bytes=64 * 1024, max_depth=4, max_items=4096)  # fleet/plane.py
 RESIDENCY = _json("fleet residency entry", max_bytes=1024, max_depth=1, max_items=16)  # fleet/plane.py
 QUEUED_RELEASE = _json("fleet queued release", max_bytes=4096, max_depth=2, max_items=64)  # fleet/agent.py
-PEER_ANSWER = _json(
-    "fleet peer answer", max_bytes=1 << 20, max_depth=16, max_items=100_000
-)  # fleet/routing.py
-JOURNAL_ENTRY = _json(
-    "journal entry", max_bytes=64 * 1024, max_depth=2, max_items=512
-)  # fingerprint/llama_exit.py
+# fleet/routing.py: a peer's hook-API answer
+PEER_ANSWER = _json("fleet peer answer", max_bytes=1 << 20, max_depth=16, max_items=100_000)
 
 KINDS: tuple[DocumentKind, ...] = (
     MANIFEST,
@@ -203,5 +195,4 @@ KINDS: tuple[DocumentKind, ...] = (
     RESIDENCY,
     QUEUED_RELEASE,
     PEER_ANSWER,
-    JOURNAL_ENTRY,
 )
