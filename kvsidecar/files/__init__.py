@@ -1,3 +1,3 @@
 """The one way kvsidecar touches a file: names validated and opened relative to a held directory, never
-through a link (`confined`), written atomically (`atomic`), JSON read within caps (`jsonlimits`). Below the
+through a link (`confined`), written atomically (`atomic`), every JSON and YAML document of ours read by one bounded reader (`documents`, with `limits` and `yamlstrict`). Below the
 store and the runtime fingerprint, which both keep files."""
