@@ -30,10 +30,10 @@ from kvsidecar.fleet.plane import HostRecord, awaited
 from kvsidecar.fleet.routing import FleetRouter
 from kvsidecar.metrics import Metrics
 from kvsidecar.store.carryover import RowsProof, Verdicts
+from tests.fleet_helpers import stop
 from tests.unit.coordinator_helpers import make_config
 from tests.unit.files.test_documents import ATTACKS
 from tests.unit.fleet.test_gate import Host, key_of, start_host
-from tests.unit.fleet.test_redis_guard import stop
 from tests.unit.store.test_snapshots import FP, make_store, save
 
 __all__ = ["start_host"]  # the fixture, shared with fleet/test_gate.py

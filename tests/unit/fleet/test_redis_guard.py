@@ -8,7 +8,6 @@ key name."""
 from __future__ import annotations
 
 import ast
-import asyncio
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -27,7 +26,7 @@ from kvsidecar.fleet.gate import LeaderRetention
 from kvsidecar.fleet.redis_guard import RedisDown, RedisGuard
 from kvsidecar.fleet.routing import FleetRouter
 from kvsidecar.testing.poll import until
-from tests.fleet_helpers import RedisServer
+from tests.fleet_helpers import RedisServer, stop
 from tests.unit.fleet.test_gate import Host, key_of, start_host
 
 __all__ = ["start_host"]  # the fixture, shared with fleet/test_gate.py
@@ -36,17 +35,6 @@ ROUND_TRIP_S = 0.2  # the guard's bound per round trip here
 SLOW_SOCKETS_S = 30.0  # what the clients' own socket timeouts would wait
 SLACK_S = 1.5  # a loaded test machine's scheduling, never near SLOW_SOCKETS_S
 FLEET = Path(__file__).resolve().parents[3] / "kvsidecar" / "fleet"
-
-
-async def stop(task: asyncio.Task[None]) -> None:
-    """End one of the agent's loops (a cancel that lands inside one of its Redis calls can be absorbed:
-    cancel until it is done)."""
-    for _ in range(100):
-        if task.done():
-            return
-        task.cancel()
-        await asyncio.wait({task}, timeout=0.05)
-    raise AssertionError(f"{task.get_name()} did not stop")
 
 
 @contextmanager
