@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from kvsidecar.client import KvSidecarClient
+from kvsidecar.store.manifest import BadManifest, read_manifest
 from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import LlamaServer, llama_server_binary, words
 from kvsidecar.testing.models import gemma3_270m
@@ -183,12 +184,15 @@ async def run(work: Path, tokens_a: int, tokens_b: int) -> list[Row]:
 
 def _remove_session_files(work: Path, snapshots: Path, session: str) -> int:
     removed = 0
-    for manifest in (work / "state" / "manifests").glob("*.json"):
-        data = json.loads(manifest.read_text())
-        if data.get("session_id") != session:
+    for manifest_file in (work / "state" / "manifests").glob("*.json"):
+        try:
+            manifest = read_manifest(manifest_file)
+        except BadManifest:
             continue
-        for gen in data.get("generations", {}).values():
-            path = snapshots / gen["filename"]
+        if manifest.session_id != session:
+            continue
+        for gen in manifest.generations.values():
+            path = snapshots / gen.filename
             if path.exists():
                 path.unlink()
                 removed += 1

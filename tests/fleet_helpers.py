@@ -105,3 +105,15 @@ class BoundSocket:
             server.should_exit = True
             await serving
             self.sock.close()
+
+
+async def stop(task: asyncio.Task[None]) -> None:
+    """End one of a fleet agent's loops, as a host that dies would. One cancel is not enough: it can land
+    while redis-py's `asyncio.wait_for` around a socket write is finishing, and Python 3.11's `wait_for`
+    then returns the result instead of raising (the task carries on): cancel until it is done."""
+    for _ in range(100):
+        if task.done():
+            return
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.05)
+    raise AssertionError(f"{task.get_name()} did not stop")

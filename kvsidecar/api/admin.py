@@ -90,6 +90,7 @@ async def _doctor(coordinator: Coordinator, *, deep: bool) -> dict[str, Any]:
             backend=srv.backend,
             hold_slot=hold,
             snapshot_anchor=coordinator.store.snapshot_anchor(name),  # the directory the daemon holds
+            served=coordinator.guard.exits.served(name),  # its processes: only their crashes count
         )
         reports.append((await doc.run(deep=deep)).to_dict())
     return {"result": api_models.worst_verdict(r["result"] for r in reports), "servers": reports}

@@ -5,17 +5,24 @@ serves now, or nothing answers and it is not running), it asks the host how it e
 (`fingerprint/llama_exit.py`, in a thread: the kernel log and the unit's journal) and tells telemetry once per
 process: a warning with the signal, and an error with what to do when the same crash signal (SIGILL,
 SIGSEGV, ...) ended it twice within ten minutes, which is what a build this CPU cannot run looks like.
+
+It also remembers, per server, the processes it has seen serve it (`served`: pid, start time, the kernel's
+name for it, binary, libraries, unit; the last `SERVED_KEPT`): `doctor` counts only their crashes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 
 from kvsidecar.coordinator.server import ServerRuntime, process_alive
 from kvsidecar.coordinator.telemetry import Telemetry
-from kvsidecar.fingerprint.llama_exit import ExitEvidence, ExitHistory, exit_evidence, unit_of
+from kvsidecar.fingerprint.llama_crashes import ServedBy, served_by
+from kvsidecar.fingerprint.llama_exit import ExitEvidence, ExitHistory, exit_evidence
 from kvsidecar.fingerprint.llama_process import ProcessInfo
+
+SERVED_KEPT = 64
 
 
 class ExitWatch:
@@ -23,8 +30,13 @@ class ExitWatch:
         self.telemetry = telemetry
         self.history: dict[str, ExitHistory] = {}
         self._units: dict[tuple[int, float], str | None] = {}  # unit of each process seen alive
+        self._served: dict[str, deque[ServedBy]] = {}  # per server, the processes seen serving it
         self._reported: set[tuple[int, float]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def served(self, server: str) -> tuple[ServedBy, ...]:
+        """The processes seen serving `server`, oldest first."""
+        return tuple(self._served.get(server, ()))
 
     def last(self, server: str) -> ExitEvidence | None:
         history = self.history.get(server)
@@ -34,7 +46,9 @@ class ExitWatch:
         """After a probe of `srv`: `before` is the process the previous probe had found."""
         now = srv.process if srv.available else None
         if now is not None and now.identity not in self._units:
-            self._units[now.identity] = unit_of(now.pid)  # read while it lives: the cgroup goes with it
+            seen = served_by(now)  # read while it lives: its cgroup and comm go with it
+            self._units[now.identity] = seen.unit
+            self._served.setdefault(srv.name, deque(maxlen=SERVED_KEPT)).append(seen)
         if before is None or (now is not None and now.identity == before.identity):
             return
         if before.identity in self._reported or process_alive(before):

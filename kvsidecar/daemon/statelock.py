@@ -50,13 +50,13 @@ from kvsidecar import __version__
 from kvsidecar.errors import MetadataIO, StateLocked
 from kvsidecar.files.atomic import ensure_private_dir
 from kvsidecar.files.confined import describe
-from kvsidecar.files.jsonlimits import JsonLimitError, loads_capped
+from kvsidecar.files.documents import LOCK_RECORD, DocumentError
 from kvsidecar.logs import event
 
 log = logging.getLogger("kvsidecar.statelock")
 
 LOCK_NAME = "lock"
-MAX_RECORD_BYTES = 4096
+MAX_RECORD_BYTES = LOCK_RECORD.max_bytes
 _PRINTABLE = r"^[\x21-\x7e]{1,255}$"  # no spaces or control characters: safe in a log line or a message
 _FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -99,9 +99,9 @@ def read_holder(fd: int) -> tuple[Holder | None, str | None]:
     if not raw.strip():
         return None, None
     try:
-        return Holder.model_validate(loads_capped(raw, max_bytes=MAX_RECORD_BYTES, max_depth=1)), None
-    except JsonLimitError as exc:
-        return None, f"not a lock record: {exc}"
+        return Holder.model_validate(LOCK_RECORD.read(raw)), None
+    except DocumentError as exc:
+        return None, f"not a lock record: {exc.reason}: {exc.message}"
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "record"

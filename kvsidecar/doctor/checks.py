@@ -7,8 +7,10 @@ and disk in `doctor.host`, the probes in the snapshot directory in `doctor.probe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from kvsidecar.backend.base import BackendCapabilities, BackendSlot, KvBackend
 from kvsidecar.config import Config, Mode, ServerConfig
@@ -18,7 +20,7 @@ from kvsidecar.doctor.probe import SlotHolder, SnapshotProbe
 from kvsidecar.doctor.report import DoctorReport
 from kvsidecar.errors import KvError
 from kvsidecar.files.confined import DirAnchor
-from kvsidecar.fingerprint.llama_exit import recent_crashes
+from kvsidecar.fingerprint.llama_crashes import CrashScope, ServedBy, recent_crashes, served_by
 from kvsidecar.fingerprint.llama_process import ProcessInfo, find_llama_process
 from kvsidecar.fingerprint.savepath import llama_save_dir
 
@@ -34,13 +36,17 @@ class Doctor:
         hold_slot: SlotHolder | None = None,
         crash_reader: CrashReader = recent_crashes,
         snapshot_anchor: DirAnchor | None = None,
+        served: Sequence[ServedBy] = (),
     ) -> None:
+        """`served`: the processes the daemon has seen serve this server (`ExitWatch.served`): their
+        crashes count, with the running one's; nobody else's."""
         self.config = config
         self.name = server
         self.server: ServerConfig = config.servers[server]
         self.backend = backend
         self.process_finder = process_finder
         self.crash_reader = crash_reader
+        self.served = tuple(served)
         # snapshot_anchor: the daemon's held snapshot directory; None (the CLI): the configured one
         self.probe = SnapshotProbe(
             config=config, server=server, backend=backend, hold_slot=hold_slot, anchor=snapshot_anchor
@@ -52,17 +58,26 @@ class Doctor:
         state_dir_check(report, self.config)
         disk_check(report, self.config.retention, self.server.snapshot_dir)
         if caps is None:
-            crash_check(report, None, self.crash_reader)
+            await self._crashes(report, None)
             return report
         slots = await self._slots(report, caps)
         process = self.process_finder(self.server.base_url)
         theirs = llama_save_dir(process)  # llama-server's --slot-save-path as seen from here, when known
-        crash_check(report, process, self.crash_reader)
+        await self._crashes(report, process)
         process_checks(report, caps, process, self.name)
         await self.probe.save_path(report, process, slots, theirs=theirs, deep=deep)
         if deep:
             await self.probe.round_trip(report, theirs)
         return report
+
+    async def _crashes(self, report: DoctorReport, process: ProcessInfo | None) -> None:
+        """The configured server's crashes: the process serving its port now and those seen serving it."""
+        parts = urlsplit(self.server.base_url)
+        port = str(parts.port or (443 if parts.scheme == "https" else 80))
+        now = (served_by(process),) if process is not None else ()
+        scope = CrashScope(port=port, processes=(*self.served, *now))
+        record = await asyncio.to_thread(self.crash_reader, scope)  # the kernel log, journalctl, systemctl
+        crash_check(report, process is not None, record)
 
     async def _reachable(self, report: DoctorReport) -> BackendCapabilities | None:
         try:

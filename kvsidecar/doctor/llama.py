@@ -1,7 +1,8 @@
-"""Doctor's checks of the llama-server process and what it runs: recent crashes (SIGILL/SIGSEGV: a build
-this CPU cannot run), the flags that decide whether a restore is reused (`--kv-unified` with idle-slot
-caching, `--swa-full` for a sliding-window model, the RAM prompt cache), whether the loaded model can be
-proven across a restart, and whether snapshots survive a llama.cpp upgrade."""
+"""Doctor's checks of the llama-server process and what it runs: recent crashes of the configured server's
+own processes (a SIGILL at an AMX/AVX instruction: a build this CPU cannot run), the flags that decide
+whether a restore is reused (`--kv-unified` with idle-slot caching, `--swa-full` for a sliding-window model,
+the RAM prompt cache), whether the loaded model can be proven across a restart, and whether snapshots
+survive a llama.cpp upgrade."""
 
 from __future__ import annotations
 
@@ -11,33 +12,46 @@ from pathlib import Path
 from kvsidecar.backend.base import BackendCapabilities
 from kvsidecar.buildcheck import cpu_info, isa_flags
 from kvsidecar.config import Config
-from kvsidecar.doctor.report import DoctorReport
+from kvsidecar.doctor.report import DoctorReport, Status
 from kvsidecar.fingerprint.gguf_meta import GgufError, read_metadata, sliding_window
-from kvsidecar.fingerprint.llama_exit import crash_hint, unit_of
+from kvsidecar.fingerprint.llama_crashes import CrashRecord, CrashScope
+from kvsidecar.fingerprint.llama_exit import crash_hint
 from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.fingerprint.model_files import model_proof
 from kvsidecar.store.state_format import KNOWN_VERSIONS as STATE_VERSIONS
 
-# Reads the signals that killed llama-server lately, and where they were read, for a systemd unit.
-CrashReader = Callable[[str | None], tuple[list[str], str]]
+# Reads the configured server's recent crashes (its processes, its units) and what their records say.
+CrashReader = Callable[[CrashScope], CrashRecord]
+_SMOKE = "check a binary with `python -m kvsidecar.buildcheck smoke BINARY MODEL`"
 
 
-def crash_check(report: DoctorReport, process: ProcessInfo | None, crash_reader: CrashReader) -> None:
-    """Has llama-server been dying with SIGILL/SIGSEGV (a build this CPU cannot run, issue 25)? Read from
-    the unit's journal (the running process's unit, else `llama-server.service`) or the kernel log."""
-    unit = (unit_of(process.pid) if process is not None else None) or "llama-server.service"
-    signals, source = crash_reader(unit)
+def crash_check(report: DoctorReport, running: bool, record: CrashRecord) -> None:
+    """Has the configured llama-server been dying lately (issue 25)? Only its own processes' crashes count
+    (`CrashScope`); the cause is named only where the record names it: a SIGILL at an AMX/AVX instruction
+    is a build this CPU cannot run; a SIGILL without one is an instruction the CPU refused; a segfault is a
+    crash, with no claim about the CPU."""
+    signals = record.signals
     if not signals:
         return
     counts = ", ".join(f"{sig} x{signals.count(sig)}" for sig in dict.fromkeys(signals))
-    model, flags = cpu_info()
-    isa = " ".join(f for f in isa_flags(flags) if f.startswith(("avx512", "amx", "avx2", "avx_vnni")))
-    report.add(
-        "llama-server crashes",
-        "FAIL" if len(signals) >= 2 or process is None else "WARN",
-        f"llama-server was killed lately: {counts} [{source}]; CPU {model or '?'} ({isa or 'no AVX2'})",
-        crash_hint(signals[-1]) + "; check a binary with `python -m kvsidecar.buildcheck smoke BINARY MODEL`",
-    )
+    status: Status = "FAIL" if len(signals) >= 2 or not running else "WARN"
+    where = f" [{record.source}]"
+    evidence = record.isa_crash
+    if evidence is not None:
+        model, flags = cpu_info()
+        isa = " ".join(f for f in isa_flags(flags) if f.startswith(("avx512", "amx", "avx2", "avx_vnni")))
+        detail = (
+            f"llama-server was killed lately: {counts}{where}; the SIGILL was at an {evidence.isa} "
+            f"instruction (in {evidence.where or '?'}) this CPU does not execute; CPU {model or '?'} "
+            f"({isa or 'no AVX2'})"
+        )
+        report.add("llama-server crashes", status, detail, f"{crash_hint('SIGILL')}; {_SMOKE}")
+    elif "SIGILL" in signals:
+        detail = f"llama-server was killed lately: {counts}{where}; the record does not show the instruction"
+        report.add("llama-server crashes", status, detail, f"{crash_hint('SIGILL')}; {_SMOKE}")
+    else:
+        detail = f"llama-server crashed lately: {counts}{where}"
+        report.add("llama-server crashes", status, detail, crash_hint(signals[-1]))
 
 
 def _model_identity(report: DoctorReport, caps: BackendCapabilities, process: ProcessInfo | None) -> None:

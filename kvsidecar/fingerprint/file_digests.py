@@ -29,7 +29,7 @@ import xxhash
 from kvsidecar.errors import KvError
 from kvsidecar.files.atomic import atomic_write_at, atomic_write_bytes
 from kvsidecar.files.confined import DirAnchor
-from kvsidecar.files.jsonlimits import loads_capped
+from kvsidecar.files.documents import DIGEST_CACHE
 from kvsidecar.logs import event
 
 log = logging.getLogger("kvsidecar.fingerprint")
@@ -37,9 +37,8 @@ log = logging.getLogger("kvsidecar.fingerprint")
 
 _BLOCK = 16 << 20
 _CACHE_VERSION = 2
-_CACHE_MAX_BYTES = 1 << 20
+_CACHE_MAX_BYTES = DIGEST_CACHE.max_bytes
 _CACHE_MAX_ENTRIES = 512
-_CACHE_MAX_DEPTH = 2  # {"version": 2, "entries": {identity: digest}}
 _CACHE_KEY = re.compile(r"[0-9]{1,20}(:[0-9]{1,20}){4}")
 _HEX128 = re.compile(r"[0-9a-f]{32}")
 
@@ -115,8 +114,8 @@ def load_digest_cache(path: Path) -> dict[str, str]:
         raw = _read_capped(path, _CACHE_MAX_BYTES)
         if raw is None:
             return {}
-        return _validate_cache(loads_capped(raw, max_bytes=_CACHE_MAX_BYTES, max_depth=_CACHE_MAX_DEPTH))
-    except (OSError, ValueError) as exc:  # JsonLimitError is a ValueError
+        return _validate_cache(DIGEST_CACHE.read(raw))  # {"version": 2, "entries": {identity: digest}}
+    except (OSError, ValueError) as exc:  # DocumentError is a ValueError
         event(log, logging.WARNING, "kv.digest_cache.ignored", path=str(path), error=str(exc)[:200])
         return {}
 

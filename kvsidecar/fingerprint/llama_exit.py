@@ -8,9 +8,11 @@ watched vanishes, this module looks where the host records the cause, without pr
 - the kernel log (`/dev/kmsg`, readable by root outside most containers): `traps: llama-server[1234] trap
   invalid opcode` (SIGILL), `segfault at` / `general protection` (SIGSEGV).
 
-A build whose kernels this CPU does not execute dies with SIGILL or SIGSEGV at its first decode, again after
-every restart (issue 25): `CRASH_SIGNALS` names those, and `crash_hint` says what to do. Every reader here
-returns None or nothing when it cannot tell, never raises.
+A build whose kernels this CPU does not execute dies with SIGILL at its first decode, again after every
+restart (issue 25): `CRASH_SIGNALS` names the signals of a crash, and `crash_hint` says what to do (an ISA
+mismatch is claimed only for SIGILL, an instruction the CPU refused; a segfault is a crash, cause unknown).
+Which crashes of the host are the configured server's, and what instruction a SIGILL stopped at, is
+`llama_crashes.py`'s. Every reader here returns None or nothing when it cannot tell, never raises.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ CRASH_SIGNALS = frozenset({"SIGILL", "SIGSEGV", "SIGBUS", "SIGFPE"})
 
 _UNIT_RE = re.compile(r"/([A-Za-z0-9:_.@\\-]{1,200}\.service)(?:/|$)")
 _JOURNAL_RE = re.compile(r"Main process exited, code=(exited|killed|dumped), status=(\d+)(?:/([A-Z0-9]+))?")
-_KMSG_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
+KMSG_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"trap invalid opcode"), "SIGILL"),
     (re.compile(r"segfault at"), "SIGSEGV"),
     (re.compile(r"general protection"), "SIGSEGV"),
@@ -120,32 +122,14 @@ def parse_kmsg(text: str, pid: int) -> str | None:
     for line in text.splitlines():
         if marker not in line:
             continue
-        for pattern, name in _KMSG_PATTERNS:
+        for pattern, name in KMSG_PATTERNS:
             if pattern.search(line):
                 found = name
                 break
     return found
 
 
-_COMM_PID_RE = re.compile(r"\bllama-server\[(\d+)\]")
-
-
-def parse_kmsg_crashes(text: str, *, since_us: int | None = None) -> list[tuple[int, str]]:
-    """(pid, signal) of every llama-server crash the kernel logged, oldest first (any pid); with `since_us`,
-    only records stamped at or after that many microseconds since boot (`/dev/kmsg`'s third field)."""
-    crashes: list[tuple[int, str]] = []
-    for line in text.splitlines():
-        m = _COMM_PID_RE.search(line)
-        if not m or (since_us is not None and _kmsg_stamp(line) < since_us):
-            continue
-        for pattern, name in _KMSG_PATTERNS:
-            if pattern.search(line):
-                crashes.append((int(m.group(1)), name))
-                break
-    return crashes
-
-
-def _kmsg_stamp(line: str) -> int:
+def kmsg_stamp(line: str) -> int:
     """A /dev/kmsg record's time in microseconds since boot; -1 where the line has none."""
     prefix = line.split(";", 1)[0].split(",")
     try:
@@ -154,27 +138,12 @@ def _kmsg_stamp(line: str) -> int:
         return -1
 
 
-def _uptime_us() -> int | None:
+def uptime_us() -> int | None:
     try:
         with open("/proc/uptime", encoding="ascii") as f:
             return int(float(f.read().split()[0]) * 1e6)
     except (OSError, ValueError, IndexError):
         return None
-
-
-def recent_crashes(unit: str | None, *, since_s: float = 3600.0) -> tuple[list[str], str]:
-    """Crash signals of llama-server processes the host recorded lately, and where they were read.
-
-    The unit's journal when there is one (it covers the last `since_s`), else the kernel log (whatever the
-    ring buffer still holds). For `doctor`, which may run while no llama-server is up to ask."""
-    if unit is not None:
-        signals = [s for s in journal_exits(unit, since_s=since_s) if s in CRASH_SIGNALS]
-        if signals:
-            return signals, f"journal:{unit}"
-    uptime = _uptime_us()
-    since_us = None if uptime is None else max(0, uptime - int(since_s * 1e6))
-    signals = [sig for _, sig in parse_kmsg_crashes(read_kmsg(), since_us=since_us)]
-    return signals, "kernel log"
 
 
 def read_kmsg(path: str = "/dev/kmsg") -> str:
@@ -247,12 +216,17 @@ class ExitHistory:
 
 def crash_hint(sig: str | None) -> str:
     """What to do about a process that dies with `sig`."""
-    if sig in ("SIGILL", "SIGSEGV", "SIGBUS"):
+    if sig == "SIGILL":
         return (
-            f"{sig} again and again usually means the llama-server build runs instructions this CPU does not "
-            "execute (a build made for another CPU, or ggml's AMX kernels on some Xeon VMs): rebuild it on "
-            "this machine without AMX (scripts/provision-llama-server does, and proves it with a decode), "
-            "and run `kvsidecar doctor`"
+            "SIGILL is an instruction this CPU refused: again and again it usually means the llama-server "
+            "build runs instructions this CPU does not execute (a build made for another CPU, or ggml's AMX "
+            "kernels on some Xeon VMs): rebuild it on this machine without AMX "
+            "(scripts/provision-llama-server does, and proves it with a decode), and run `kvsidecar doctor`"
+        )
+    if sig in ("SIGSEGV", "SIGBUS", "SIGFPE"):
+        return (
+            f"{sig} is a crash whose cause the host's record does not name: see llama-server's own log "
+            "(journalctl -u llama-server, or its log file) and `dmesg` for the faulting library"
         )
     if sig == "SIGKILL":
         return "SIGKILL is often the kernel's OOM killer: check `dmesg` and the model's memory"

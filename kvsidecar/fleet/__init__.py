@@ -5,15 +5,17 @@ This package is the coordination plane only, and is imported only when `fleet.en
 
 | module | owns |
 |---|---|
-| `plane.py` | `FleetPlane`: the Redis connection, key names, host registry and residency map; `DOWN` |
+| `plane.py` | `FleetPlane`: the Redis connection, host registry and residency map |
+| `keys.py` | `FleetKeys`: every Redis key name, built in one place |
+| `redis_guard.py` | `RedisGuard.guarded()`: the one guarded Redis call (its bound; failures as `RedisDown`) |
 | `ownership.py` | session ownership leases with fencing tokens, and the leader lease (atomic Lua scripts) |
 | `gate.py` | `FleetGate`: the right to write a key's files (claims, fencing); the leader's retention |
 | `agent.py` | `FleetAgent`: what the daemon runs (heartbeat, residency, leader, Redis health, the gate) |
 | `routing.py` | `FleetRouter`: which host serves a hook call; forwarding it (through `kvsidecar.client`) |
 | `status.py` | `kvsidecar fleet status`: a fleet-wide report read from Redis directly |
 
-Imports go one way: routing -> agent -> gate -> plane, ownership (the gate types what it needs of the agent
-as `gate.RedisLink`).
+Imports go one way: routing -> agent -> gate -> plane, ownership -> keys; redis_guard below all (the gate
+types what it needs of the agent as `gate.RedisLink`).
 """
 
 from __future__ import annotations

@@ -6,9 +6,11 @@
 - Residency events: the coordinator's telemetry calls `slot_loaded` / `server_emptied` (the
   `ResidencyObserver` protocol) in the middle of an acquire. They only append to a bounded queue (the
   oldest dropped and counted when full) that a publisher task drains: no acquire ever waits on Redis.
-- Redis health: the first failure logs one WARNING (`KV_FLEET_REDIS_DOWN`) and the daemon goes on
-  serving as a single host; the heartbeat keeps trying and, when Redis answers again, logs the recovery
-  and registers everything again (record, residency, leader).
+- Redis health: every call to Redis (here, in the gate, the leader's retention and the router) runs in the
+  agent's guard (`redis`, a `RedisGuard`: redis_guard.py), which bounds it and reports a failure here
+  (`went_down`): the first logs one WARNING (`KV_FLEET_REDIS_DOWN`) and the daemon goes on serving as a
+  single host; the heartbeat keeps trying and, when Redis answers again, logs the recovery and registers
+  everything again (record, residency, leader).
 - The write gate (`FleetGate`, gate.py): built by the agent, which shows its counters (status, metrics).
 - Releases other hosts recorded for this one while it was not live (routing.py queues them): applied
   after each heartbeat.
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import deque
@@ -35,11 +36,11 @@ from prometheus_client.registry import Collector
 
 from kvsidecar import __version__
 from kvsidecar.errors import KvError
+from kvsidecar.files.documents import QUEUED_RELEASE
 from kvsidecar.fleet import REDIS_DOWN, redacted
 from kvsidecar.fleet.gate import FleetGate
 from kvsidecar.fleet.ownership import Leases
 from kvsidecar.fleet.plane import (
-    DOWN,
     FleetPlane,
     HostRecord,
     ServerRecord,
@@ -48,6 +49,7 @@ from kvsidecar.fleet.plane import (
     same_endpoint,
     session_hash,
 )
+from kvsidecar.fleet.redis_guard import RedisDown, RedisGuard
 from kvsidecar.logs import event
 
 if TYPE_CHECKING:
@@ -60,7 +62,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvsidecar.fleet")
 
 QUEUE_MAX = 1024
-OP_TIMEOUT_S = 1.0  # each Redis call (socket connect and read); a heartbeat is bounded by 4 of them
+OP_TIMEOUT_S = 1.0  # each Redis round trip (the guard's unit); a heartbeat is bounded by 4 of them
+HEARTBEAT_TRIPS = 4
 RELEASES_KEPT = 1024  # releases recorded for one host that is not live (the oldest are dropped beyond)
 MAX_LEASE_CHARS = 128  # a local lease id is 22 characters (token_urlsafe(16))
 
@@ -85,6 +88,7 @@ class FleetAgent:
         self.coordinator: Coordinator | None = None  # the host this agent speaks for, from start()
         self.op_timeout_s = OP_TIMEOUT_S
         self.client = connect(fleet.redis_url, timeout_s=self.op_timeout_s, **redis_options)
+        self.redis = RedisGuard(timeout_s=self.op_timeout_s, on_down=self.went_down)  # every call's bound
         self.plane = FleetPlane(
             self.client,
             key_prefix=fleet.key_prefix,
@@ -144,14 +148,15 @@ class FleetAgent:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        with contextlib.suppress(*DOWN):
-            async with asyncio.timeout(self.op_timeout_s * 2):
+        with contextlib.suppress(RedisDown):
+            async with self.redis.guarded(2, report=False):  # leaving: a Redis that is down is no news
                 await self.plane.deregister(self.host_id)
                 if self.is_leader:
                     await self.leases.resign(self.host_id)
         self.redis_up = False
-        with contextlib.suppress(*DOWN):
-            await self.client.aclose()
+        with contextlib.suppress(RedisDown):
+            async with self.redis.guarded(report=False):
+                await self.client.aclose()
 
     # the observer (called inside acquires: no awaits, never raises) ----------------------------------
     def slot_loaded(self, server: str, slot: int, key: str) -> None:
@@ -183,8 +188,8 @@ class FleetAgent:
                 continue  # the heartbeat that finds Redis back replaces the whole map
             try:
                 await self._publish()
-            except DOWN as exc:
-                self.went_down(exc)
+            except RedisDown:
+                pass  # the guard reported it; the heartbeat that finds Redis back republishes all
             except Exception:
                 log.exception("kv.fleet.publish_failed")
 
@@ -192,7 +197,7 @@ class FleetAgent:
         async with self._write:
             while self.queue:
                 op = self.queue[0]
-                async with asyncio.timeout(self.op_timeout_s):
+                async with self.redis.guarded():
                     if op.where is None:
                         await self.plane.drop_resident(self.host_id, [op.key])
                     else:
@@ -202,10 +207,10 @@ class FleetAgent:
     async def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                async with asyncio.timeout(self.op_timeout_s * 4):
+                async with self.redis.guarded(HEARTBEAT_TRIPS):
                     await self.heartbeat()
-            except DOWN as exc:
-                self.went_down(exc)
+            except RedisDown:
+                pass  # the guard reported it (went_down): the next beat tries again
             except Exception:  # a bug (or a value we cannot read) must not end fleet mode: next beat retries
                 log.exception("kv.fleet.heartbeat_failed")
                 self.hosts_fresh = False  # a live view this beat could not refresh: routing serves here
@@ -240,15 +245,15 @@ class FleetAgent:
 
         if self.coordinator is None:
             return 0
-        key = f"{self.settings.key_prefix}:releases:{self.host_id}"
-        async with self.client.pipeline(transaction=True) as pipe:
+        key = self.plane.keys.releases(self.host_id)
+        async with self.redis.guarded(), self.client.pipeline(transaction=True) as pipe:
             pipe.lrange(key, 0, RELEASES_KEPT - 1)
             pipe.ltrim(key, RELEASES_KEPT, -1)
             items, _ = await pipe.execute()
         released = 0
         for raw in items if isinstance(items, list) else []:
             try:
-                data = json.loads(raw) if isinstance(raw, bytes | str) and len(raw) <= 4096 else None
+                data = QUEUED_RELEASE.read(raw) if isinstance(raw, bytes | str) else None
                 lease = data.pop("lease", None) if isinstance(data, dict) else None
                 if not isinstance(lease, str) or not lease or len(lease) > MAX_LEASE_CHARS:
                     continue

@@ -17,6 +17,7 @@ restore, never a wrong answer).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -25,7 +26,8 @@ from kvsidecar.config import FleetConfig
 from kvsidecar.coordinator.ownership import Claim, KeyOwnership
 from kvsidecar.errors import KvError
 from kvsidecar.fleet.ownership import Leases
-from kvsidecar.fleet.plane import DOWN, FleetPlane
+from kvsidecar.fleet.plane import FleetPlane
+from kvsidecar.fleet.redis_guard import RedisDown, RedisGuard
 from kvsidecar.logs import event
 from kvsidecar.store.fence import FenceFiles
 
@@ -34,18 +36,16 @@ log = logging.getLogger("kvsidecar.fleet")
 
 class RedisLink(Protocol):
     """What the gate and the leader's retention need of the agent (`FleetAgent`, which builds the gate and
-    shows its counters): this host's id, whether Redis answers, and the calls to it. Typed here so that the
-    gate never imports the agent."""
+    shows its counters): this host's id, whether Redis answers, the calls to it and the one guard every
+    call runs in (`redis`). Typed here so that the gate never imports the agent."""
 
     host_id: str
     settings: FleetConfig
-    op_timeout_s: float
+    redis: RedisGuard
     redis_up: bool
     is_leader: bool
     leases: Leases
     plane: FleetPlane
-
-    def went_down(self, exc: BaseException) -> None: ...
 
 
 class FleetGate:
@@ -72,12 +72,11 @@ class FleetGate:
         if keep and not await self._still_mine(key):
             return Claim(write=False, stale=True)
         try:
-            async with asyncio.timeout(agent.op_timeout_s * 2):
+            async with agent.redis.guarded(2):
                 own = await agent.leases.take(
                     key, agent.host_id, agent.settings.owner_lease_ttl_s, force=force
                 )
-        except DOWN as exc:  # Redis went away mid-call
-            agent.went_down(exc)
+        except RedisDown:  # Redis went away mid-call
             return await self._without_redis(key)
         if not own.granted:
             self.tokens.pop(key, None)
@@ -109,11 +108,9 @@ class FleetGate:
             del self.tokens[key]
             if not self.agent.redis_up:
                 return
-            try:
-                async with asyncio.timeout(self.agent.op_timeout_s * 2):
+            with contextlib.suppress(RedisDown):  # the lease ends at its TTL
+                async with self.agent.redis.guarded(2):
                     await self.agent.leases.release(key, self.agent.host_id, token)
-            except DOWN as exc:
-                self.agent.went_down(exc)
 
     async def _still_mine(self, key: str) -> bool:
         """This host holds a token for `key` and it is still the one recorded (nobody took the key since)."""
@@ -165,13 +162,12 @@ class LeaderRetention:
         if not agent.redis_up or not agent.is_leader:
             return None
         try:
-            async with asyncio.timeout(agent.op_timeout_s * 4):
+            async with agent.redis.guarded(4):
                 live = await agent.plane.live_hosts()
                 held: set[str] = set()
                 for host_id in live:
                     held |= set(await agent.plane.residency(host_id))
-        except DOWN as exc:
-            agent.went_down(exc)
+        except RedisDown:
             return None
         await asyncio.to_thread(self.reload_all)  # what every host committed, as it is on disk now
         return held

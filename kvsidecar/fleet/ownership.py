@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from kvsidecar.fleet.keys import FleetKeys
+
 # KEYS[1] owner key, KEYS[2] fence counter, KEYS[3] the holder's host record key prefix ("P:host:");
 # ARGV[1] host id, ARGV[2] ttl in ms, ARGV[3] "1" to take over from a live holder (it cannot be reached).
 # A holder whose host record has expired (a dead host) is taken over without asking.
@@ -107,19 +109,19 @@ class Leases:
 
     def __init__(self, client: aioredis.Redis, *, key_prefix: str) -> None:
         self.redis = client
-        self.prefix = key_prefix
+        self.keys = FleetKeys(key_prefix)
         self._take = client.register_script(_TAKE)
         self._release = client.register_script(_RELEASE)
         self._campaign = client.register_script(_CAMPAIGN)
 
     def _keys(self, key: str) -> list[str]:
-        return [f"{self.prefix}:owner:{key}", f"{self.prefix}:fence:{key}"]
+        return [self.keys.owner(key), self.keys.fence(key)]
 
     async def take(self, key: str, host_id: str, ttl_s: float, *, force: bool = False) -> Ownership:
         """Take or renew ownership of session key `key` for `host_id` (see the module's guarantee). A holder
         whose host is no longer live loses the key at once; `force`: take it from a live holder too (it
         cannot be reached; fencing keeps its later writes out)."""
-        keys = [*self._keys(key), f"{self.prefix}:host:"]
+        keys = [*self._keys(key), self.keys.host_prefix]
         args: list[str | int] = [host_id, _ms(ttl_s), "1" if force else "0"]
         granted, token, holder, new = await self._take(keys=keys, args=args)
         value = int(token) if str(token).isdigit() and len(str(token)) <= MAX_TOKEN_DIGITS else None
@@ -148,18 +150,14 @@ class Leases:
         return bool(int(done))
 
     # the leader --------------------------------------------------------------------------------------
-    @property
-    def leader_key(self) -> str:
-        return f"{self.prefix}:leader"
-
     async def campaign(self, host_id: str, ttl_s: float) -> bool:
         """Become the leader if there is none, or stay it; True if `host_id` leads now."""
-        return bool(int(await self._campaign(keys=[self.leader_key], args=[host_id, _ms(ttl_s)])))
+        return bool(int(await self._campaign(keys=[self.keys.leader], args=[host_id, _ms(ttl_s)])))
 
     async def leader(self) -> str | None:
-        value = await self.redis.get(self.leader_key)
+        value = await self.redis.get(self.keys.leader)
         return None if value is None else str(value)
 
     async def resign(self, host_id: str) -> bool:
         """Step down now (a clean stop) rather than at the lease's end."""
-        return bool(int(await self._release(keys=[self.leader_key], args=[host_id])))
+        return bool(int(await self._release(keys=[self.keys.leader], args=[host_id])))

@@ -1,23 +1,11 @@
-"""`FleetPlane`: the Redis side of fleet mode: one connection, the key names, the host registry and the
-residency map. Ownership leases and the leader are in ownership.py, on the same connection.
-
-Keys (every one under `fleet.key_prefix`, `P` below; host ids are validated `[A-Za-z0-9._-]{1,64}`, session
-keys are our own 128-bit hex identity keys, never a client string):
-
-    P:hosts              SET     host ids that ever registered (pruned of the dead by live hosts)
-    P:host:<H>           STRING  JSON record of host H, PX host_ttl: gone when H stops heartbeating
-    P:res:<H>            HASH    session key -> JSON {server, slot, t}: what H holds resident, PX host_ttl
-    P:owner:<K>          STRING  "<H>|<token>", PX owner_lease_ttl (ownership.py)
-    P:fence:<K>          STRING  the fencing counter of session key K (ownership.py), never expires
-    P:leader             STRING  the leader's host id, PX host_ttl (ownership.py)
-
-Snapshots never go through Redis; losing every key above loses nothing that is not rebuilt by the next
-heartbeats (see docs/FLEET.md for what a lost fencing counter means).
+"""`FleetPlane`: the Redis side of fleet mode: one connection, the host registry and the residency map.
+Ownership leases and the leader are in ownership.py, on the same connection; the key names are keys.py's;
+every call is bounded and its failure handled by the caller's guard (redis_guard.py). Values read back
+from Redis are hostile input, read by the one document reader (`kvsidecar.files.documents`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import ipaddress
@@ -37,9 +25,10 @@ import xxhash
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 
 from kvsidecar.config import HOST_ID, http_origin
+from kvsidecar.files.documents import HOST_RECORD, RESIDENCY
+from kvsidecar.fleet.keys import FleetKeys
 from kvsidecar.logs import event
 
 RECORD_VERSION = 1
@@ -93,10 +82,8 @@ class HostRecord:
     def from_json(cls, text: str) -> HostRecord | None:
         """None for anything that is not a record we wrote (a peer's newer format, garbage)."""
         try:
-            if len(text) > MAX_VALUE:
-                return None
-            data = json.loads(text)
-            if not isinstance(data, dict) or data.get("v") != RECORD_VERSION:
+            data = HOST_RECORD.read(text)
+            if data.get("v") != RECORD_VERSION:
                 return None
             servers = tuple(_server(s) for s in data["servers"])
             # What this host will send its token to: a host id of ours, and origins only (scheme, host,
@@ -162,11 +149,6 @@ def session_hash(session_id: str) -> str:
     return xxhash.xxh3_64_hexdigest(b"kvsidecar-session\0" + session_id.encode())
 
 
-# What a Redis outage looks like from redis-py (a dead socket can also surface as an OSError or a timeout):
-# every caller of the plane, the leases and the gate catches exactly these and goes on without Redis.
-DOWN: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
-
-
 def connect(url: str, *, timeout_s: float, **extra: Any) -> aioredis.Redis:
     """A client that never waits long: one retry (a pooled connection a restarted Redis closed is found
     dead only when used), then the error goes to the caller, whose loop tries again later."""
@@ -196,7 +178,7 @@ class FleetPlane:
         local_origins: frozenset[str] = frozenset(),
     ) -> None:
         self.redis = client
-        self.prefix = key_prefix
+        self.keys = FleetKeys(key_prefix)
         self.host_ttl_ms = max(1, int(host_ttl_s * 1000))
         self.refused_records = 0  # host records read and refused (not a record we write: forged, garbage)
         self.refused_hosts: set[str] = set()  # refused at the last read (each logged once)
@@ -204,10 +186,6 @@ class FleetPlane:
         # record that would send this host's calls there is refused. `fleet status` reads with neither.
         self.own_host = own_host
         self.local_origins = local_origins
-
-    # key names ---------------------------------------------------------------------------------------
-    def key(self, *parts: str) -> str:
-        return ":".join((self.prefix, *parts))
 
     async def ping_ms(self) -> float:
         start = time.perf_counter()
@@ -218,28 +196,28 @@ class FleetPlane:
     async def register(self, record: HostRecord) -> None:
         """Write this host's record with the host TTL (every heartbeat), and keep its residency alive."""
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(self.key("host", record.host_id), record.to_json(), px=self.host_ttl_ms)
-            pipe.sadd(self.key("hosts"), record.host_id)
-            pipe.pexpire(self.key("res", record.host_id), self.host_ttl_ms)
+            pipe.set(self.keys.host(record.host_id), record.to_json(), px=self.host_ttl_ms)
+            pipe.sadd(self.keys.hosts, record.host_id)
+            pipe.pexpire(self.keys.residency(record.host_id), self.host_ttl_ms)
             await pipe.execute()
 
     async def deregister(self, host_id: str) -> None:
         """A clean stop: this host's record and residency are gone now rather than at their TTL."""
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self.key("host", host_id), self.key("res", host_id))
-            pipe.srem(self.key("hosts"), host_id)
+            pipe.delete(self.keys.host(host_id), self.keys.residency(host_id))
+            pipe.srem(self.keys.hosts, host_id)
             await pipe.execute()
 
     async def live_hosts(self) -> dict[str, HostRecord]:
         """Every host whose record has not expired, by id; ids whose record is gone are pruned."""
-        members = await awaited(self.redis.smembers(self.key("hosts")))
+        members = await awaited(self.redis.smembers(self.keys.hosts))
         ids = sorted(m for m in members if isinstance(m, str) and HOST_ID.match(m))
         bad = [m for m in members if not isinstance(m, str) or not HOST_ID.match(m)]
         if bad:  # not a host id of ours (written by something else): dropped, never read as a key
-            await awaited(self.redis.srem(self.key("hosts"), *bad))
+            await awaited(self.redis.srem(self.keys.hosts, *bad))
         if not ids:
             return {}
-        texts = await self.redis.mget([self.key("host", h) for h in ids])
+        texts = await self.redis.mget([self.keys.host(h) for h in ids])
         out: dict[str, HostRecord] = {}
         dead = []
         refused: set[str] = set()
@@ -256,7 +234,7 @@ class FleetPlane:
             del out[host_id]
         self._refused(refused | inward)
         if dead:  # a host that comes back re-adds itself at its next heartbeat
-            await awaited(self.redis.srem(self.key("hosts"), *dead))
+            await awaited(self.redis.srem(self.keys.hosts, *dead))
         return out
 
     def _refused(self, host_ids: set[str]) -> None:
@@ -273,7 +251,7 @@ class FleetPlane:
         return json.dumps(entry, separators=(",", ":"))
 
     async def set_resident(self, host_id: str, key: str, server: str, slot: int, sid: str = "") -> None:
-        name = self.key("res", host_id)
+        name = self.keys.residency(host_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(name, key, self._entry(server, slot, sid))
             pipe.pexpire(name, self.host_ttl_ms)
@@ -282,7 +260,7 @@ class FleetPlane:
     async def drop_resident(self, host_id: str, keys: Iterable[str]) -> None:
         gone = list(keys)
         if gone:
-            await awaited(self.redis.hdel(self.key("res", host_id), *gone))
+            await awaited(self.redis.hdel(self.keys.residency(host_id), *gone))
 
     async def replace_residency(
         self,
@@ -291,7 +269,7 @@ class FleetPlane:
         sids: Mapping[str, str] | None = None,
     ) -> None:
         """The whole truth of this host (every heartbeat): repairs any event that was dropped or failed."""
-        name = self.key("res", host_id)
+        name = self.keys.residency(host_id)
         sids = sids or {}
         entries = {k: self._entry(s, slot, sids.get(k, "")) for k, (s, slot) in resident.items()}
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -309,7 +287,7 @@ class FleetPlane:
             return []
         async with self.redis.pipeline(transaction=False) as pipe:
             for host_id in hosts:
-                pipe.hget(self.key("res", host_id), key)
+                pipe.hget(self.keys.residency(host_id), key)
             found = await pipe.execute()
         out = []
         for host_id, text in zip(hosts, found, strict=True):
@@ -319,7 +297,7 @@ class FleetPlane:
 
     async def residency(self, host_id: str) -> dict[str, Residency]:
         """Everything one host holds resident (empty when its map expired with it)."""
-        raw = await awaited(self.redis.hgetall(self.key("res", host_id)))
+        raw = await awaited(self.redis.hgetall(self.keys.residency(host_id)))
         return {k: e for k, v in raw.items() if (e := _residency(host_id, v)) is not None}
 
     async def holding_session(self, sid: str, live: Iterable[str]) -> set[str]:
@@ -329,7 +307,7 @@ class FleetPlane:
             return set()
         async with self.redis.pipeline(transaction=False) as pipe:
             for host_id in hosts:
-                pipe.hvals(self.key("res", host_id))
+                pipe.hvals(self.keys.residency(host_id))
             found = await pipe.execute()
         return {
             host_id
@@ -341,14 +319,14 @@ class FleetPlane:
         ids = sorted(hosts)
         async with self.redis.pipeline(transaction=False) as pipe:
             for host_id in ids:
-                pipe.hlen(self.key("res", host_id))
+                pipe.hlen(self.keys.residency(host_id))
             counts = await pipe.execute()
         return {h: int(n) for h, n in zip(ids, counts, strict=True)}
 
 
-MAX_VALUE = 64 * 1024  # a Redis value larger than this is not one we wrote
-# What parsing a value from Redis may raise besides our own refusals (it is input: never past here).
-PARSE_ERRORS = (ValueError, TypeError, KeyError, OverflowError, RecursionError, AttributeError)
+# What reading a value from Redis may raise: the document reader's refusal (a ValueError), and a field of
+# the wrong type or missing (it is input: never past here).
+PARSE_ERRORS = (ValueError, TypeError, KeyError, OverflowError, AttributeError)
 
 
 def origin_of(url: str) -> str | None:
@@ -421,9 +399,9 @@ def _inward(records: Mapping[str, HostRecord], own: str | None, local: Iterable[
 
 def _residency(host_id: str, text: str) -> Residency | None:
     try:
-        if not isinstance(text, str) or len(text) > 1024:
+        if not isinstance(text, str):
             return None
-        data = json.loads(text)
+        data = RESIDENCY.read(text)
         slot, since, sid = data["slot"], data["t"], data.get("sid", "")
         if type(slot) is not int or not 0 <= slot < 1 << 20 or not isinstance(since, int | float):
             return None

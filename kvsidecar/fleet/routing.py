@@ -36,8 +36,10 @@ from kvsidecar.client.wire import segment
 from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.ownership import Claim
 from kvsidecar.errors import KvError, LeaseNotFound, NotFound
+from kvsidecar.files.documents import PEER_ANSWER, DocumentError
 from kvsidecar.fleet.agent import MAX_LEASE_CHARS, RELEASES_KEPT
-from kvsidecar.fleet.plane import DOWN, HostRecord, session_hash
+from kvsidecar.fleet.plane import HostRecord, session_hash
+from kvsidecar.fleet.redis_guard import RedisDown
 from kvsidecar.http.guards import DEADLINE_HEADER, HOP_HEADER
 from kvsidecar.logs import event
 
@@ -99,13 +101,12 @@ class FleetRouter:
         if not live:
             return self.host_id
         try:
-            async with asyncio.timeout(self.agent.op_timeout_s * 2):
+            async with self.agent.redis.guarded(2):
                 held = await self.agent.leases.holder(key)
                 if held is not None and held.holder in live:
                     return held.holder
                 found = await self.agent.plane.where(key, live)
-        except DOWN as exc:  # Redis trouble: serve here (a restore or a cold prefill, never wrong)
-            self.agent.went_down(exc)
+        except RedisDown:  # Redis trouble: serve here (a restore or a cold prefill, never wrong)
             return self.host_id
         hosts = [r.host_id for r in found]
         if self.host_id in hosts:
@@ -266,8 +267,8 @@ class FleetRouter:
     async def _drop_granted(self, host_id: str, answer: Response) -> None:
         """Release, on `host_id`, the lease its answer granted for a caller that is gone meanwhile."""
         try:
-            data = json.loads(bytes(answer.body)) if answer.status_code == 200 else None
-        except ValueError:
+            data = PEER_ANSWER.read(bytes(answer.body)) if answer.status_code == 200 else None
+        except ValueError:  # the reader's refusal (DocumentError)
             return
         lease = data.get("lease_id") if isinstance(data, dict) else None
         if not isinstance(lease, str) or not lease or len(lease) > 256:
@@ -349,17 +350,15 @@ class FleetRouter:
         if host_id not in self.agent.seen or len(local) > MAX_LEASE_CHARS:
             raise LeaseNotFound("no such lease (its host is unknown here)")
         item = json.dumps({**body, "lease": local}, separators=(",", ":"))
-        key = f"{self.agent.settings.key_prefix}:releases:{host_id}"
+        key = self.agent.plane.keys.releases(host_id)
         ttl_ms = max(1, int(self.coordinator.config.api.lease_ttl_s * 1000))
         try:
-            async with asyncio.timeout(self.agent.op_timeout_s * 2):
-                async with self.agent.client.pipeline(transaction=True) as pipe:
-                    pipe.rpush(key, item)
-                    pipe.ltrim(key, -RELEASES_KEPT, -1)
-                    pipe.pexpire(key, ttl_ms)
-                    await pipe.execute()
-        except DOWN as exc:
-            self.agent.went_down(exc)
+            async with self.agent.redis.guarded(2), self.agent.client.pipeline(transaction=True) as pipe:
+                pipe.rpush(key, item)
+                pipe.ltrim(key, -RELEASES_KEPT, -1)
+                pipe.pexpire(key, ttl_ms)
+                await pipe.execute()
+        except RedisDown:
             raise LeaseNotFound(
                 f"the lease's host {host_id} is not live and the release could not be recorded",
                 hint="retry the release; the lease also ends at its TTL",
@@ -372,10 +371,9 @@ class FleetRouter:
         if not live:
             return set()
         try:
-            async with asyncio.timeout(self.agent.op_timeout_s * 2):
+            async with self.agent.redis.guarded(2):
                 return await self.agent.plane.holding_session(session_hash(session_id), live)
-        except DOWN as exc:
-            self.agent.went_down(exc)
+        except RedisDown:
             return set()
 
     async def everywhere(
@@ -420,9 +418,10 @@ class FleetRouter:
         response = await self.forward(host_id, method, path, body, 0)
         if response.status_code != 200:
             raise NotFound(f"host {host_id}: {response.status_code}")
-        data = json.loads(bytes(response.body))
-        if not isinstance(data, dict):
-            raise NotFound(f"host {host_id}: not an object")
+        try:
+            data: dict[str, Any] = PEER_ANSWER.read(bytes(response.body))
+        except DocumentError as exc:
+            raise NotFound(f"host {host_id}: not an answer of ours ({exc.reason})") from None
         return data
 
 

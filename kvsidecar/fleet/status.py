@@ -4,7 +4,6 @@ host, and the leader."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from typing import Any
@@ -12,7 +11,8 @@ from typing import Any
 from kvsidecar.config import FleetConfig
 from kvsidecar.fleet import redacted
 from kvsidecar.fleet.ownership import Leases
-from kvsidecar.fleet.plane import DOWN, FleetPlane, HostRecord, connect
+from kvsidecar.fleet.plane import FleetPlane, HostRecord, connect
+from kvsidecar.fleet.redis_guard import RedisDown, RedisGuard
 
 
 def _host_view(record: HostRecord, sessions: int, now: float) -> dict[str, Any]:
@@ -39,12 +39,13 @@ def _host_view(record: HostRecord, sessions: int, now: float) -> dict[str, Any]:
 async def gather(fleet: FleetConfig, *, timeout_s: float = 2.0, **redis_options: Any) -> dict[str, Any]:
     """The report (never raises for a Redis that is down: `redis.up` is false and `error` says why)."""
     client = connect(fleet.redis_url, timeout_s=timeout_s, **redis_options)
+    guard = RedisGuard(timeout_s=timeout_s)
     plane = FleetPlane(client, key_prefix=fleet.key_prefix, host_ttl_s=fleet.host_ttl_s)
     leases = Leases(client, key_prefix=fleet.key_prefix)
     redis: dict[str, Any] = {"url": redacted(fleet.redis_url), "up": False, "ping_ms": None, "error": None}
     out: dict[str, Any] = {"key_prefix": fleet.key_prefix, "redis": redis, "leader": None, "hosts": []}
     try:
-        async with asyncio.timeout(timeout_s * 4):
+        async with guard.guarded(4):
             redis["ping_ms"] = round(await plane.ping_ms(), 3)
             hosts = await plane.live_hosts()
             sessions = await plane.sessions_per_host(hosts) if hosts else {}
@@ -52,11 +53,12 @@ async def gather(fleet: FleetConfig, *, timeout_s: float = 2.0, **redis_options:
         redis["up"] = True
         now = time.time()
         out["hosts"] = [_host_view(hosts[h], sessions.get(h, 0), now) for h in sorted(hosts)]
-    except DOWN as exc:
-        redis["error"] = type(exc).__name__  # its text may name the server; never the URL's password
+    except RedisDown as exc:
+        redis["error"] = type(exc.cause).__name__  # its text may name the server; never the URL's password
     finally:
-        with contextlib.suppress(*DOWN):
-            await client.aclose()
+        with contextlib.suppress(RedisDown):
+            async with guard.guarded():
+                await client.aclose()
     return out
 
 

@@ -19,6 +19,7 @@ serves every snapshot of the old runtime. Anything unproven stays unrestorable, 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import threading
@@ -29,6 +30,8 @@ from typing import BinaryIO
 from kvsidecar.errors import KvError
 from kvsidecar.files.atomic import atomic_write_at
 from kvsidecar.files.confined import DirAnchor
+from kvsidecar.files.documents import CARRY_VERDICTS, DocumentError
+from kvsidecar.logs import event
 from kvsidecar.store.state_format import (
     LayerKV,
     StateFormatError,
@@ -38,6 +41,7 @@ from kvsidecar.store.state_format import (
     text_tokens,
 )
 
+log = logging.getLogger("kvsidecar.store")
 BUILD_COMPONENTS = frozenset({"build_info", "server_binary", "server_libs"})
 CANARY = "canary_kv"
 _UNMEASURED = frozenset({"", "absent", "pending", "unknown", "none"})
@@ -140,10 +144,12 @@ class Verdicts:
 
     Kept in `<state_dir>/build-equivalence.json`, read and written only inside the held state directory
     (never through its path, never through a link at the name); a record that does not parse counts as no
-    verdict, so the proof runs again."""
+    verdict, so the proof runs again: whatever the file holds (nested 600,000 deep, a huge number, not UTF-8),
+    the one document reader refuses it as a `DocumentError`, never a `RecursionError` that would fail every
+    acquire needing a carry-over, across restarts. The next verdict recorded replaces the file."""
 
     NAME = "build-equivalence.json"
-    MAX_BYTES = 1 << 20
+    MAX_BYTES = CARRY_VERDICTS.max_bytes
     MAX_ENTRIES = 1024
 
     def __init__(self, directory: DirAnchor) -> None:
@@ -167,15 +173,16 @@ class Verdicts:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return {}
             data = os.read(fd, self.MAX_BYTES + 1)
+        except OSError:
+            return {}
         finally:
             os.close(fd)
-        if len(data) > self.MAX_BYTES:
-            return {}
         try:
-            raw = json.loads(data)
-        except ValueError:
-            return {}
-        if not isinstance(raw, dict):
+            raw = CARRY_VERDICTS.read(data)
+        except DocumentError as exc:
+            event(
+                log, logging.WARNING, "kv.carry_over.verdicts_ignored", reason=exc.reason, error=exc.message
+            )
             return {}
         out: dict[str, dict[str, object]] = {}
         for k, v in list(raw.items())[: self.MAX_ENTRIES]:

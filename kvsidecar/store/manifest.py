@@ -28,12 +28,15 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from kvsidecar.errors import ManifestInvalid
 from kvsidecar.files.atomic import atomic_write_bytes
 from kvsidecar.files.confined import read_capped
-from kvsidecar.files.jsonlimits import JsonLimitError, check_limits
+from kvsidecar.files.documents import MANIFEST, DocumentError
+from kvsidecar.files.limits import NOT_JSON as _DOC_NOT_JSON
+from kvsidecar.files.limits import NOT_UTF8, VALUE_REASONS
+from kvsidecar.files.limits import TOO_DEEP as _DOC_TOO_DEEP
 from kvsidecar.store.naming import GENERATIONS, Generation, SnapshotIdentity, snapshot_filename
 
 SCHEMA_VERSION = 1
-MAX_BYTES = 64 * 1024  # a real manifest is under 2 KB
-MAX_DEPTH = 4  # {"generations": {"a": {...}}} is 3
+MAX_BYTES = MANIFEST.max_bytes  # a real manifest is under 2 KB
+MAX_DEPTH = MANIFEST.max_depth  # {"generations": {"a": {...}}} is 3
 
 # Stable reasons a manifest file is refused (logged, and reported by status/doctor).
 UNREADABLE = "MANIFEST_UNREADABLE"
@@ -183,11 +186,9 @@ class Manifest:
     @classmethod
     def from_json(cls, raw: bytes, *, source: str = "manifest") -> Manifest:
         try:
-            check_limits(raw, max_bytes=MAX_BYTES, max_depth=MAX_DEPTH)
-            data = _ManifestSchema.model_validate_json(raw)
-        except JsonLimitError as exc:
-            reason = TOO_LARGE if exc.reason == "TOO_LARGE" else TOO_DEEP
-            raise BadManifest(reason, f"{source}: {exc}") from None
+            data = _ManifestSchema.model_validate(MANIFEST.read(raw), strict=True)
+        except DocumentError as exc:
+            raise BadManifest(_refusal(exc.reason), f"{source}: {exc.message}") from None
         except ValidationError as exc:
             raise BadManifest(*_schema_error(exc, source)) from None
         records: dict[str, GenerationRecord] = {
@@ -206,10 +207,17 @@ class Manifest:
         return manifest
 
 
+def _refusal(reason: str) -> str:
+    """The manifest's code for what the document reader refused."""
+    if reason in (_DOC_NOT_JSON, NOT_UTF8):
+        return NOT_JSON
+    if reason in VALUE_REASONS:
+        return SCHEMA
+    return TOO_DEEP if reason == _DOC_TOO_DEEP else TOO_LARGE  # too deep; too large or too many values
+
+
 def _schema_error(exc: ValidationError, source: str) -> tuple[str, str]:
     err = exc.errors()[0]
-    if err["type"] == "json_invalid":
-        return NOT_JSON, f"{source}: not JSON"
     where = ".".join(str(p) for p in err["loc"]) or "(top level)"
     more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     return SCHEMA, f"{source}: {where}: {err['msg'][:100]}{more}"

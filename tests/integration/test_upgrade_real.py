@@ -320,3 +320,44 @@ async def test_a_disk_error_mid_conversion_leaves_the_session_cold_and_its_snaps
     finally:
         await h.coordinator.aclose()
         server.stop()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        b"[" * 600_000,
+        b'{"a>b": {"equal": true, "rows": ' + b"9" * 5000 + b"}}",
+        b"\xef\xbb\xbf{}",
+        b'"\\"' * 300_000,
+    ],
+    ids=["nested-600000-deep", "huge-number", "byte-order-mark", "quotes-that-never-close"],
+)
+async def test_a_damaged_verdict_file_costs_a_proof_never_a_failed_acquire(
+    damage: bytes, previous_bin: Path, llama_bin: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """`build-equivalence.json` nested 600,000 deep (under its 1 MB cap) raised RecursionError on every
+    acquire that needed a carry-over, across restarts. Whatever the file holds, the acquire is answered (the
+    proof runs again and carries the session over), the verdict replaces the file, and a daemon started
+    after it reads the repaired file."""
+    server = _previous_server(previous_bin, tiny_model, tmp_path)
+    h = await real_harness(server, tmp_path)
+    verdicts = tmp_path / "state" / Verdicts.NAME
+    try:
+        await h.turn("A")
+        await h.turn("B")  # A saved
+        await h.turn("C")  # B saved
+        _upgrade(server, llama_bin)
+        verdicts.write_bytes(damage)
+        reason, outcome, _reused, warm, cold = await _next_turn(h, "A")
+        assert outcome is Outcome.RESTORED and reason == CARRIED, (outcome, reason)
+        assert warm == cold
+        assert [v["equal"] for v in json.loads(verdicts.read_text()).values()] == [True]  # repaired
+    finally:
+        await h.coordinator.aclose()
+    h = await real_harness(server, tmp_path)  # a restart reads the repaired file: B is carried too
+    try:
+        reason, outcome, *_ = await _next_turn(h, "B")
+        assert outcome is Outcome.RESTORED and reason == CARRIED, (outcome, reason)
+    finally:
+        await h.coordinator.aclose()
+        server.stop()

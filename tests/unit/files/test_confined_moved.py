@@ -25,6 +25,7 @@ from kvsidecar.doctor.checks import Doctor
 from kvsidecar.errors import DirMoved
 from kvsidecar.files.confined import UnsafeFile
 from kvsidecar.fingerprint.file_digests import FileDigestCache
+from kvsidecar.fingerprint.llama_crashes import CrashRecord
 from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import SnapshotStore
@@ -389,7 +390,7 @@ async def test_doctor_reports_a_moved_snapshot_dir_and_probes_nothing_through_it
         server="local",
         backend=h.fake,
         process_finder=lambda _url: None,
-        crash_reader=lambda _unit: ([], ""),
+        crash_reader=lambda _scope: CrashRecord(),
         snapshot_anchor=h.coordinator.store.snapshot_anchor("local"),
     )
     h.fake.calls.clear()

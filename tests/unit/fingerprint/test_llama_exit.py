@@ -21,12 +21,12 @@ import pytest
 from kvsidecar.backend.llamacpp import LlamaCppBackend
 from kvsidecar.coordinator.exits import ExitWatch
 from kvsidecar.doctor.checks import Doctor
+from kvsidecar.fingerprint.llama_crashes import Crash, CrashRecord, CrashScope
 from kvsidecar.fingerprint.llama_exit import (
     ExitEvidence,
     ExitHistory,
     parse_journal,
     parse_kmsg,
-    parse_kmsg_crashes,
     read_kmsg,
     unit_of,
 )
@@ -51,8 +51,6 @@ def test_kernel_log_lines_name_the_signal_of_a_pid() -> None:
     assert parse_kmsg(KMSG, 4243) == "SIGILL"
     assert parse_kmsg(KMSG, 4242) == "SIGSEGV"
     assert parse_kmsg(KMSG, 999) is None
-    assert parse_kmsg_crashes(KMSG) == [(4242, "SIGSEGV"), (4243, "SIGILL")]  # other programs left out
-    assert parse_kmsg_crashes(KMSG, since_us=5_050_000) == [(4243, "SIGILL")]  # older records left out
 
 
 def test_journal_lines_name_each_exit() -> None:
@@ -175,11 +173,13 @@ async def test_doctor_says_sigill_when_the_server_keeps_dying(tmp_path: Path) ->
 
     config = make_config(tmp_path)
     backend = LlamaCppBackend(base_url="http://127.0.0.1:9", transport=httpx.MockTransport(refuse))
-    seen: list[str | None] = []
+    seen: list[CrashScope] = []
 
-    def crashes(unit: str | None) -> tuple[list[str], str]:
-        seen.append(unit)
-        return ["SIGILL", "SIGILL", "SIGILL"], "journal:llama-server.service"
+    def crashes(scope: CrashScope) -> CrashRecord:
+        seen.append(scope)
+        found = [Crash(signal="SIGILL", source="journal:llama-server.service") for _ in range(3)]
+        found[0] = Crash(signal="SIGILL", source="kernel log", isa="AMX", where="libggml-cpu.so")
+        return CrashRecord(crashes=found, source="journal:llama-server.service")
 
     doctor = Doctor(
         config=config, server="local", backend=backend, process_finder=lambda _u: None, crash_reader=crashes
@@ -190,7 +190,8 @@ async def test_doctor_says_sigill_when_the_server_keeps_dying(tmp_path: Path) ->
     assert "SIGILL x3" in check.detail and "journal:llama-server.service" in check.detail
     assert "CPU" in check.detail
     assert "rebuild" in check.fix and "buildcheck smoke" in check.fix
-    assert seen == ["llama-server.service"]
+    assert "AMX instruction (in libggml-cpu.so)" in check.detail
+    assert seen == [CrashScope(port="8080", processes=())]  # nothing running, nothing seen: no pid of its own
 
 
 async def test_doctor_says_nothing_about_crashes_when_there_were_none(tmp_path: Path) -> None:
@@ -206,7 +207,7 @@ async def test_doctor_says_nothing_about_crashes_when_there_were_none(tmp_path: 
         server="local",
         backend=backend,
         process_finder=lambda _u: None,
-        crash_reader=lambda _unit: ([], "kernel log"),
+        crash_reader=lambda _scope: CrashRecord(),
     )
     report = await doctor.run()
     assert not [c for c in report.checks if c.name == "llama-server crashes"]

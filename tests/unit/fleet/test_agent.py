@@ -34,7 +34,7 @@ from kvsidecar.fleet.plane import FleetPlane, connect
 from kvsidecar.metrics import Metrics
 from kvsidecar.store.snapshots import SnapshotStore
 from kvsidecar.testing.poll import until
-from tests.fleet_helpers import RedisServer
+from tests.fleet_helpers import RedisServer, stop
 from tests.integration.test_dashboard_real import DASHBOARD, dashboard_exprs, exposed_names, metric_names
 from tests.unit.coordinator_helpers import Harness, make_config, start_harness
 from tests.unit.test_metrics import naming_problems
@@ -145,7 +145,7 @@ async def test_hosts_see_each_other_and_a_dead_host_expires(start_host: Any, pla
     await until(lambda: set(a1.hosts) == {"h1", "h2"}, what="h1 to see h2")
     await until(lambda: _is(where(plane, b), ["h2"]), what="B resident on h2")
     for task in a2._tasks:  # h2 dies: no more heartbeats, no goodbye
-        task.cancel()
+        await stop(task)
     await until(lambda: set(a1.hosts) == {"h1"}, what="h2 to expire")
     assert await where(plane, b) == []
     assert sorted(await plane.live_hosts()) == ["h1"]

@@ -24,7 +24,7 @@ from kvsidecar.fleet.plane import awaited
 from kvsidecar.fleet.routing import FleetRouter
 from kvsidecar.http.guards import DEADLINE_HEADER, HOP_HEADER
 from kvsidecar.testing.poll import until
-from tests.fleet_helpers import BoundSocket
+from tests.fleet_helpers import BoundSocket, stop
 from tests.unit.fleet.test_gate import Host, key_of, start_host
 
 __all__ = ["start_host"]  # the fixture, shared with fleet/test_gate.py
@@ -148,7 +148,7 @@ async def test_a_release_for_a_host_that_is_not_live_is_applied_when_it_is_back(
         assert lease.lease_id is not None and lease.slot_id is not None
         named = r2.named(lease.to_dict())["lease_id"]
         for task in h2.agent._tasks:  # h2 stops heartbeating (SIGSTOP, partition)
-            task.cancel()
+            await stop(task)
         await h1.agent.client.delete("t:host:h2")
         await awaited(h1.agent.client.srem("t:hosts", "h2"))
         await until(lambda: "h2" not in h1.agent.hosts, what="h1 to see h2 gone")
