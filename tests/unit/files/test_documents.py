@@ -150,6 +150,7 @@ NOT_DOCUMENTS = {
     "buildcheck.py": "llama-server's answer to the smoke decode (standard library only, below files/)",
     "backend/llamacpp.py": "llama-server's /props and /slots answers (httpx)",
     "backend/llama_http.py": "llama-server's answers, read for their token counts",
+    "backend/llama_body.py": "client request bodies, parsed after the proxy's body gate scanned them",
     "client/wire.py": "the hook API's answers",
     "http/router.py": "hook API request bodies (pydantic)",
     "demo.py": "llama-server's streamed answer in the demo",
