@@ -147,17 +147,25 @@ def _ms(started: float) -> float:
     return (time.perf_counter() - started) * 1000.0
 
 
-async def _tokens(tok: PromptTokenizer, found: _Ids | _Text) -> PromptTokens:
-    if isinstance(found, _Text):
-        content = found.content if isinstance(found.content, str) else list(found.content)
-        tokens = await tok.tokenize(content, add_special=True, parse_special=True)
-        return KnownTokens(tokens=tuple(tokens), cost_ms=0.0)
+async def _out_of_vocab(tok: PromptTokenizer, ids: list[int]) -> UnknownTokens | None:
     n_vocab = (await tok.tokenizer_info()).n_vocab
-    if not found.ids:
-        return UnknownTokens(reason=INVALID, detail="an empty prompt runs nothing")
-    if not all(0 <= t < n_vocab for t in found.ids):
-        return UnknownTokens(reason=INVALID, detail=f"an id outside the vocabulary (n_vocab {n_vocab})")
-    return KnownTokens(tokens=found.ids, cost_ms=0.0)
+    if all(0 <= t < n_vocab for t in ids):
+        return None
+    return UnknownTokens(reason=INVALID, detail=f"an id outside the vocabulary (n_vocab {n_vocab})")
+
+
+async def _tokens(tok: PromptTokenizer, found: _Ids | _Text) -> PromptTokens:
+    if isinstance(found, _Ids):
+        if not found.ids:
+            return UnknownTokens(reason=INVALID, detail="an empty prompt runs nothing")
+        return await _out_of_vocab(tok, list(found.ids)) or KnownTokens(tokens=found.ids, cost_ms=0.0)
+    content = found.content if isinstance(found.content, str) else list(found.content)
+    ids = [v for v in content if isinstance(v, int)] if isinstance(content, list) else []
+    refused = await _out_of_vocab(tok, ids) if ids else None  # llama-server would cut them to 32 bits
+    if refused is not None:
+        return refused
+    tokens = await tok.tokenize(content, add_special=True, parse_special=True)
+    return KnownTokens(tokens=tuple(tokens), cost_ms=0.0)
 
 
 def _timed(result: PromptTokens, started: float) -> PromptTokens:
