@@ -176,14 +176,13 @@ def _timed(result: PromptTokens, started: float) -> PromptTokens:
 
 async def completion_tokens(tok: PromptTokenizer, prompt: Any, *, oai: bool = False) -> PromptTokens:
     """The tokens of a completion route's `prompt` (see the module docstring). `oai`: `/v1/completions`,
-    which a server with a multimodal projector tokenizes through mtmd (unknown then)."""
+    which a server with a multimodal projector tokenizes through mtmd, a text only (unknown then)."""
     started = time.perf_counter()
     found = _completion_input(prompt)
     if isinstance(found, UnknownTokens):
         return _timed(found, started)
     try:
-        mtmd = oai and isinstance(found, _Text) and (await tok.tokenizer_info()).multimodal
-        if mtmd:
+        if oai and (await tok.tokenizer_info()).multimodal:
             return _timed(UnknownTokens(reason=MULTIMODAL_SERVER, detail="/v1/completions"), started)
         return _timed(await _tokens(tok, found), started)
     except KvError as exc:

@@ -114,7 +114,7 @@ async def test_oai_completions_on_a_multimodal_server_are_unknown(fake: FakeKvBa
     fake.multimodal = True
     unknown(await completion_tokens(fake, "hi", oai=True), MULTIMODAL_SERVER)
     assert known(await completion_tokens(fake, "hi")) == (1, *words("hi"))  # /completion: tokenize_mixed
-    assert known(await completion_tokens(fake, [4, 5], oai=True)) == (4, 5)  # ids: no tokenizer at all
+    unknown(await completion_tokens(fake, [4, 5], oai=True), MULTIMODAL_SERVER)  # mtmd takes a text only
 
 
 # -- chat bodies: the template's render, then the tokenizer -------------------------------------------------
