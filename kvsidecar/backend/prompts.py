@@ -25,14 +25,15 @@ compute (build 11434, tools/server), not an estimate:
 task); on a sleeping server they wait for it to wake, as the request itself would.
 
 Anything this cannot prove is `UnknownTokens` with a `reason` from `REASONS`: a planner decides as if it
-knew nothing of the prompt. Nothing here raises.
+knew nothing of the prompt. Nothing here raises. `shared_prefix` compares a snapshot's tokens with a
+prompt's.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,3 +241,17 @@ async def hint_tokens(tok: PromptTokenizer, prompt: str | list[int] | Mapping[st
     if isinstance(prompt, Mapping):
         return await chat_tokens(tok, prompt)
     return await completion_tokens(tok, prompt)
+
+
+def shared_prefix(saved: Sequence[int], prompt: Sequence[int]) -> int:
+    """How many leading tokens two token lists share: a snapshot's (its state file) and a prompt's. The
+    prompt extends the snapshot exactly when this is `len(saved)`; llama-server reuses at most this many."""
+    n = min(len(saved), len(prompt))
+    block = 512
+    start = 0
+    while start < n and list(saved[start : start + block]) == list(prompt[start : start + block]):
+        start += block
+    end = min(start + block, n)
+    while start < end and saved[start] == prompt[start]:
+        start += 1
+    return min(start, n)

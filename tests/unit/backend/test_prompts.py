@@ -237,3 +237,22 @@ async def test_a_hint_is_a_completion_prompt_or_a_chat_body(fake: FakeKvBackend)
     assert known(await hint_tokens(fake, "a b")) == (1, *words("a b"))
     assert known(await hint_tokens(fake, [3, 4])) == (3, 4)
     assert known(await hint_tokens(fake, CHAT)) == known(await chat_tokens(fake, CHAT))
+
+
+@pytest.mark.parametrize(
+    ("saved", "prompt", "shared"),
+    [
+        ((), (), 0),
+        ((1, 2, 3), (1, 2, 3, 4), 3),  # an exact extension: all of the snapshot
+        ((1, 2, 3), (1, 2, 3), 3),
+        ((1, 2, 3), (1, 2), 2),
+        ((1, 2, 3), (1, 9, 3), 1),
+        ((5,), (6,), 0),
+        (tuple(range(2000)), (*range(1500), -1, *range(1501, 2000)), 1500),  # past the first blocks
+        (tuple(range(1024)), (*range(1024), 7), 1024),  # exactly two blocks, then longer
+        (tuple(range(1025)), (*range(1024), 7), 1024),  # a difference right after a block
+    ],
+)
+def test_shared_prefix(saved: tuple[int, ...], prompt: tuple[int, ...], shared: int) -> None:
+    assert prompts.shared_prefix(saved, prompt) == shared == prompts.shared_prefix(prompt, saved)
+    assert prompts.shared_prefix(list(saved), prompt) == shared  # any sequences
