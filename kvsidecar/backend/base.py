@@ -6,6 +6,7 @@ transport failure into a `kvsidecar.errors.BackendError` subclass.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -78,7 +79,36 @@ class PromptResult:
     reused: int  # prompt tokens it took from the slot's cache (timings.cache_n)
 
 
-class KvBackend(Protocol):
+@dataclass(frozen=True, kw_only=True)
+class TokenizerInfo:
+    """What a prompt's tokens are checked against: the vocabulary's size, and whether the server holds a
+    multimodal projector (llama-server then tokenizes the prompts of its OpenAI routes with mtmd)."""
+
+    n_vocab: int
+    multimodal: bool
+
+
+class PromptTokenizer(Protocol):
+    """llama-server's own template and tokenizer, asked before a request runs (`kvsidecar.backend.prompts`).
+    Every method raises only `KvError`s: `BadRequest` when the server refuses what it was given (HTTP 4xx),
+    a `BackendError` for everything else."""
+
+    async def tokenize(
+        self, content: str | Sequence[str | int], *, add_special: bool, parse_special: bool
+    ) -> list[int]:
+        """`content` (a text, or texts and token ids mixed) as the server tokenizes it; every id checked to
+        be in the vocabulary."""
+        ...
+
+    async def apply_template(self, chat_body: bytes | Mapping[str, Any]) -> str:
+        """The prompt text the server renders from a chat-completions body (its chat template, tools,
+        reasoning settings): exactly what its chat route then tokenizes."""
+        ...
+
+    async def tokenizer_info(self) -> TokenizerInfo: ...
+
+
+class KvBackend(PromptTokenizer, Protocol):
     """What the coordinator needs from an engine. Every method raises only `BackendError` subclasses."""
 
     kind: str
@@ -110,7 +140,8 @@ class KvBackend(Protocol):
         ...
 
     async def run_prompt(self, slot_id: int, prompt: str | list[int], *, n_predict: int = 0) -> PromptResult:
-        """Run `prompt` on the slot, reusing what its cache holds; how much was computed and reused."""
+        """Run `prompt` on the slot, reusing what its cache holds; how much was computed and reused.
+        With `n_predict` 0 or 1 the slot then holds exactly the prompt's tokens (see `LlamaCppBackend`)."""
         ...
 
     async def aclose(self) -> None: ...

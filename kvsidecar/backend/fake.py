@@ -5,6 +5,9 @@ It keeps each slot's cached tokens in memory and writes real snapshot files in l
 checksum checks run against it unchanged. `infer()` models the engine's prefix reuse, returning
 (prompt_n, cache_n) as llama-server's `timings` would. Every management call is recorded in `calls`.
 Like the real server, restoring a truncated file "crashes" it: the fake becomes unavailable.
+
+Its tokenizer and chat template (`tokenize`, `apply_template`, recorded in `prompt_calls`) are the
+deterministic stand-ins of `kvsidecar.backend.fake_prompts`.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import asyncio
 import secrets
 import struct
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -26,7 +31,9 @@ from kvsidecar.backend.base import (
     PromptResult,
     RestoreResult,
     SaveResult,
+    TokenizerInfo,
 )
+from kvsidecar.backend.fake_prompts import FAKE_VOCAB, fake_render, fake_tokenize
 from kvsidecar.errors import (
     BackendUnavailable,
     EraseFailed,
@@ -105,6 +112,8 @@ class FakeKvBackend:
         self.wakes = 0
         self.model_on_wake: str | None = None
         self._holds: dict[str, Hold] = {}
+        self.multimodal = False  # a projector loaded: OpenAI routes tokenize with mtmd
+        self.prompt_calls: list[str] = []  # "tokenize", "apply-template", "tokenizer-info", in order
 
     # failure injection (spec §77) -------------------------------------------------------------------
     def fail_next_save(self, times: int = 1) -> None:
@@ -350,6 +359,26 @@ class FakeKvBackend:
     async def wake(self) -> None:
         self._gate()
         await self._maybe_hang()
+
+    async def tokenizer_info(self) -> TokenizerInfo:
+        self._gate()
+        await self._maybe_hang()
+        self.prompt_calls.append("tokenizer-info")
+        return TokenizerInfo(n_vocab=FAKE_VOCAB, multimodal=self.multimodal)
+
+    async def tokenize(
+        self, content: str | Sequence[str | int], *, add_special: bool, parse_special: bool
+    ) -> list[int]:
+        self._gate()
+        await self._maybe_hang()
+        self.prompt_calls.append("tokenize")
+        return fake_tokenize(content, add_special=add_special, parse_special=parse_special)
+
+    async def apply_template(self, chat_body: bytes | Mapping[str, Any]) -> str:
+        self._gate()
+        await self._maybe_hang()
+        self.prompt_calls.append("apply-template")
+        return fake_render(chat_body)
 
     async def prefill(self, slot_id: int, prompt: str | list[int]) -> int:
         """The KV of a text under this "model": tokens derived from the text and the model's salt."""

@@ -1,8 +1,10 @@
 """`LlamaCppBackend`: the backend interface over llama-server's HTTP API, with httpx.
 
 This module is kvsidecar's only client of llama-server's management and probe calls (`/props`, `/slots`,
-`/completion` for the canary and the doctor), with the API key when one is configured, and the only place
-that sees httpx exceptions: every failure leaves it as a `BackendError` subclass with a stable code.
+`/completion` for the canary and the doctor, `/apply-template`, `/tokenize` and `/v1/models` for a prompt's
+tokens), with the API key when one is configured, and the only place that sees httpx exceptions: every
+failure leaves it as a `BackendError` subclass with a stable code (a prompt the server refuses to render or
+tokenize, HTTP 4xx: `BadRequest`).
 What the proxy needs to know about llama-server's routes comes from `kvsidecar.backend.llama_http`.
 Responses are read defensively because their schema moves between llama.cpp builds.
 """
@@ -10,8 +12,10 @@ Responses are read defensively because their schema moves between llama.cpp buil
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,14 +29,17 @@ from kvsidecar.backend.base import (
     PromptResult,
     RestoreResult,
     SaveResult,
+    TokenizerInfo,
 )
 from kvsidecar.backend.llama_http import SLOT_FIELD, read_api_key, token_counts
 from kvsidecar.errors import (
     BackendError,
     BackendUnavailable,
     BackendUnsupported,
+    BadRequest,
     ConnectionLost,
     EraseFailed,
+    KvError,
     OperationTimeout,
     RestoreFailed,
     SaveFailed,
@@ -75,6 +82,30 @@ def _float(value: Any) -> float | None:
     return None
 
 
+def _wire_json(value: Any) -> bytes:
+    """Compact UTF-8 JSON; text JSON cannot carry (a lone surrogate, NaN) is the caller's bad request."""
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    except UnicodeEncodeError:
+        raise BadRequest("text that is not valid Unicode (a lone surrogate)") from None
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise BadRequest(f"not representable as JSON: {exc}") from None
+
+
+def _tokenizer_info(data: Any) -> TokenizerInfo:
+    """`GET /v1/models`: `data[0].meta.n_vocab` and `data[0].architecture.input_modalities`."""
+    models = data.get("data") if isinstance(data, dict) else None
+    model = models[0] if isinstance(models, list) and models and isinstance(models[0], dict) else {}
+    meta, arch = model.get("meta"), model.get("architecture")
+    n_vocab = _int(meta.get("n_vocab")) if isinstance(meta, dict) else None
+    if n_vocab is None or not 0 < n_vocab < 2**31:
+        raise BackendUnavailable("tokenizer /v1/models: no vocabulary size in the answer")
+    modalities = arch.get("input_modalities") if isinstance(arch, dict) else None
+    if not isinstance(modalities, list):
+        raise BackendUnavailable("tokenizer /v1/models: no input modalities in the answer")
+    return TokenizerInfo(n_vocab=n_vocab, multimodal=any(m != "text" for m in modalities))
+
+
 def _error_message(response: httpx.Response) -> str:
     try:
         body = response.json()
@@ -109,6 +140,10 @@ class LlamaCppBackend:
         )
         # Slot ids that GET /slots last reported; llama-server itself accepts ids it does not have.
         self._slot_ids: frozenset[int] | None = None
+        # The vocabulary a prompt's tokens are checked against, fetched once per server instance: dropped
+        # when /props shows a new start (another nonce) and when an answer holds an id beyond it.
+        self._tokenizer: TokenizerInfo | None = None
+        self._nonce_seen: str | None = None
 
     @classmethod
     def from_config(
@@ -139,12 +174,21 @@ class LlamaCppBackend:
         what: str,
         failure: type[BackendError] = BackendUnavailable,
         json_body: dict[str, Any] | None = None,
+        content: bytes | None = None,
         params: dict[str, str] | None = None,
         timeout: httpx.Timeout | None = None,
+        refusal: type[KvError] | None = None,
     ) -> Any:
+        headers = {"Content-Type": "application/json"} if content is not None else None
         try:
             response = await self._client.request(
-                method, path, json=json_body, params=params, timeout=timeout or self._request_timeout
+                method,
+                path,
+                json=json_body,
+                content=content,
+                headers=headers,
+                params=params,
+                timeout=timeout or self._request_timeout,
             )
         except httpx.TimeoutException as exc:
             raise OperationTimeout(
@@ -159,6 +203,8 @@ class LlamaCppBackend:
             raise ConnectionLost(f"{what}: llama-server dropped the connection ({exc!s})") from exc
         if response.status_code == 501:
             raise BackendUnsupported(f"{what}: {_error_message(response)}")
+        if refusal is not None and 400 <= response.status_code < 500:
+            raise refusal(f"{what}: HTTP {response.status_code} {_error_message(response)}")
         if response.status_code >= 500 and failure is BackendUnavailable:
             raise BackendUnavailable(f"{what}: HTTP {response.status_code} {_error_message(response)}")
         if response.status_code >= 400:
@@ -202,6 +248,7 @@ class LlamaCppBackend:
         model_path = props.get("model_path")
         build_info = props.get("build_info")
         marker = props.get("media_marker")
+        self._saw_instance(_nonce(marker))
         return BackendCapabilities(
             kind=self.kind,
             alive=True,
@@ -223,13 +270,59 @@ class LlamaCppBackend:
         if not isinstance(props, dict):
             return InstanceState(nonce=None, sleeping=False)
         sleeping = _is_sleeping(props)
-        return InstanceState(nonce=_nonce(props.get("media_marker")), sleeping=sleeping)
+        nonce = _nonce(props.get("media_marker"))
+        self._saw_instance(nonce)
+        return InstanceState(nonce=nonce, sleeping=sleeping)
+
+    def _saw_instance(self, nonce: str | None) -> None:
+        """Another start of the server may load another model: its vocabulary is asked again."""
+        if nonce != self._nonce_seen:
+            self._nonce_seen, self._tokenizer = nonce, None
 
     async def wake(self) -> None:
         """`GET /slots` waits for llama-server to leave sleep mode (its model loaded again) before it
         answers, even when the endpoint is disabled; bounded like a persistence call (a model load)."""
         with contextlib.suppress(BackendUnsupported):
             await self._request("GET", "/slots", what="wake /slots", timeout=self._persist_timeout)
+
+    # -- a prompt's tokens, before it runs (kvsidecar.backend.prompts) --------------------------------------
+    async def tokenizer_info(self) -> TokenizerInfo:
+        if self._tokenizer is None:
+            data = await self._request("GET", "/v1/models", what="tokenizer /v1/models")
+            self._tokenizer = _tokenizer_info(data)
+        return self._tokenizer
+
+    async def tokenize(
+        self, content: str | Sequence[str | int], *, add_special: bool, parse_special: bool
+    ) -> list[int]:
+        """`POST /tokenize`: llama-server's `tokenize_mixed`, the function its completion routes tokenize a
+        prompt with (a text, or texts and ids mixed: only the first text gets the BOS). The answer must be
+        a list of ids of the vocabulary (`tokenizer_info`, asked again once if an id is beyond it)."""
+        body = {"content": content, "add_special": add_special, "parse_special": parse_special}
+        data = await self._request(
+            "POST", "/tokenize", content=_wire_json(body), what="tokenize", refusal=BadRequest
+        )
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+            raise BackendUnavailable("tokenize: the answer is not a list of token ids")
+        top = max(tokens, default=-1)
+        if top >= (await self.tokenizer_info()).n_vocab:
+            self._tokenizer = None  # the model may have changed under the same address
+            if top >= (await self.tokenizer_info()).n_vocab:
+                raise BackendUnavailable(f"tokenize: the answer holds id {top}, beyond the vocabulary")
+        return tokens
+
+    async def apply_template(self, chat_body: bytes | Mapping[str, Any]) -> str:
+        """`POST /apply-template`: the very render (`oaicompat_chat_params_parse`) of llama-server's chat
+        routes, prompt only. `bytes` go as they are (the client's own body parses the same way)."""
+        content = chat_body if isinstance(chat_body, bytes) else _wire_json(dict(chat_body))
+        data = await self._request(
+            "POST", "/apply-template", content=content, what="apply-template", refusal=BadRequest
+        )
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        if not isinstance(prompt, str):
+            raise BackendUnavailable("apply-template: the answer holds no prompt text")
+        return prompt
 
     async def prefill(self, slot_id: int, prompt: str | list[int]) -> int:
         """One prompt pass on a pinned slot with nothing generated (the runtime canary)."""
@@ -238,7 +331,14 @@ class LlamaCppBackend:
 
     async def run_prompt(self, slot_id: int, prompt: str | list[int], *, n_predict: int = 0) -> PromptResult:
         """`/completion` pinned to `slot_id` with prompt caching on, at temperature 0; the engine's own
-        counts of prompt tokens computed and reused (`timings.prompt_n`, `timings.cache_n`)."""
+        counts of prompt tokens computed and reused (`timings.prompt_n`, `timings.cache_n`).
+
+        What the slot holds after it (build 11434, `server-context.cpp`, checked on the binary with GET
+        /slots and a save's `n_saved`): the server always samples one token after the prompt, then stops
+        when the budget is spent, and a sampled token is decoded into the KV only when the next one is
+        asked for. So with `n_predict` 0 or 1 the slot holds exactly the prompt's tokens (a prefill-only
+        call: a save then is a save point at the end of the prompt), and with `n_predict` k > 1 the prompt
+        and the first k - 1 generated tokens."""
         await self._check_slot(slot_id)
         body = {
             "prompt": prompt,
