@@ -49,6 +49,7 @@ from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.restore import Restorer
 from kvsidecar.coordinator.runtime import RuntimeGuard
 from kvsidecar.coordinator.save import Saver
+from kvsidecar.coordinator.scope import ScopeGate, ScopeLedger
 from kvsidecar.coordinator.server import ProcessFinder, ServerRuntime, build_servers
 from kvsidecar.coordinator.sessions import SessionTable
 from kvsidecar.coordinator.state import HOOK_SCOPE, AcquireResult, Outcome
@@ -60,7 +61,7 @@ from kvsidecar.fingerprint.file_digests import FileDigestCache
 from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.fingerprint.savepath import llama_save_dir
 from kvsidecar.metrics import Metrics
-from kvsidecar.store.naming import SnapshotIdentity, validate_label, validate_session_id
+from kvsidecar.store.naming import SnapshotIdentity, validate_label, validate_scope, validate_session_id
 from kvsidecar.store.snapshots import SnapshotStore
 
 __all__ = ["INVALIDATED", "AcquireResult", "Coordinator", "EventType", "ReleaseStatus"]
@@ -133,8 +134,12 @@ class Coordinator:
         bracket first, then who may write a key, restore, save and the checkpoint policy."""
         config, store, sessions, telemetry = self.config, self.store, self.sessions, self.telemetry
         self.persist = PersistGuard(telemetry=telemetry)
+        # whose KV a request may run on (one credential scope never runs on another's), on every path
+        self.scopes = ScopeGate(
+            pool=self.pool, persist=self.persist, telemetry=telemetry, ledger=ScopeLedger()
+        )
         self.guard = RuntimeGuard(
-            sessions=sessions, pool=self.pool, telemetry=telemetry, persist=self.persist
+            sessions=sessions, pool=self.pool, telemetry=telemetry, persist=self.persist, scopes=self.scopes
         )
         # who may write a key's files: always this host, unless fleet mode installs its gate
         self.ownership = KeyOwnership(store=store, sessions=sessions, servers=self.servers, gate=gate)
@@ -184,6 +189,7 @@ class Coordinator:
             restorer=self.restorer,
             checkpoints=self.checkpoints,
             telemetry=telemetry,
+            gate=self.scopes,
         )
         self.acquirer = Acquirer(
             servers=self.servers,
@@ -279,7 +285,7 @@ class Coordinator:
         return self.servers[name] if name is not None else None
 
     def session_key(
-        self, session_id: str, provider: str, model: str, purpose: str | None
+        self, session_id: str, provider: str, model: str, purpose: str | None, scope: str = HOOK_SCOPE
     ) -> tuple[str | None, str | None]:
         """(identity key, server) an acquire of these would manage; (None, None) for a bypass or an
         auxiliary request (fleet routing: nothing to route by). Bad labels are left to acquire."""
@@ -290,10 +296,12 @@ class Coordinator:
             validate_label("provider", provider)
             validate_label("model", model)
             validate_session_id(session_id)
+            identity = SnapshotIdentity(
+                server=srv.name, provider=provider, model=model, session_id=session_id, scope=scope
+            )
         except KvError:
             return None, None
-        key = SnapshotIdentity(server=srv.name, provider=provider, model=model, session_id=session_id).key
-        return key, srv.name
+        return identity.key, srv.name
 
     async def acquire(
         self,
@@ -306,10 +314,15 @@ class Coordinator:
         caller: Caller | None = None,
         scope: str = HOOK_SCOPE,
         prefix_from: str | None = None,
+        extends: bool = False,
     ) -> AcquireResult:
         """`caller`: who waits for the answer; once it is gone the wait ends and no lease is granted.
-        `scope`: the caller's credential scope; `prefix_from`: a session of the same provider, model and
-        scope whose newest snapshot a cold start of this one may begin from (issue 28; coldstart.py)."""
+        `scope`: the caller's credential scope, part of the session's identity (the same id under another
+        scope is another session); `prefix_from`: a session of the same provider, model and scope whose
+        newest snapshot a cold start of this one may begin from (issue 28; coldstart.py); `extends`: the
+        request's prompt is known to extend the session's last one (the proxy's conversation table;
+        coordinator/scope.py)."""
+        validate_scope(scope)
         validate_label("provider", provider)
         validate_label("model", model)
         if session_id is not None:
@@ -326,14 +339,20 @@ class Coordinator:
             return await self.acquirer.acquire(srv, None, caller=caller, scope=scope)
         if caller is not None and caller.gone():  # before any claim or wait: nobody reads the answer
             raise caller.error(srv.name)
-        identity = SnapshotIdentity(server=srv.name, provider=provider, model=model, session_id=session_id)
+        identity = SnapshotIdentity(
+            server=srv.name, provider=provider, model=model, session_id=session_id, scope=scope
+        )
         # fleet: take (or keep) the key before touching it; a stale local copy is dropped first. A host
         # that may not write it still serves the session (a restore is a read); its saves are refused.
         await self.ownership.claim(identity.key)
         donor = None
         if prefix_from is not None and prefix_from != session_id:
-            donor = SnapshotIdentity(server=srv.name, provider=provider, model=model, session_id=prefix_from)
-        return await self.acquirer.acquire(srv, identity, seq=seq, caller=caller, scope=scope, donor=donor)
+            donor = SnapshotIdentity(
+                server=srv.name, provider=provider, model=model, session_id=prefix_from, scope=scope
+            )
+        return await self.acquirer.acquire(
+            srv, identity, seq=seq, caller=caller, scope=scope, donor=donor, extends=extends
+        )
 
     # release -----------------------------------------------------------------------------------------
     async def release(

@@ -21,7 +21,8 @@ Owners: `SessionTable` is the only code that writes these fields of a `SessionRu
 - `dirty_since`, `dirty_since_rev` (`mark_unsaved()`);
 - what the slot holds of it: `base_tokens`, `base_generation`, `context_tokens`, `append_only`,
   `verify_tokens` (`restored()`, `started_cold()`, `saved()`, `track_context()`, `take_verify()`);
-- who last called and when: `scope`, `seq`, `released_at`, `think_s` (`arrived()`, `released()`, `hinted()`).
+- who last called and when: `seq`, `released_at`, `think_s` (`arrived()`, `released()`, `hinted()`); its
+  credential scope is part of its identity (never written).
 The checkpoint policy's own timers (`idle_*`, `clean_*`, `protect_*`) are written by checkpoint.py alone,
 the overlapped commit (`pending_commit`) by save.py and the refused files (`refused`) by restore.py.
 Everything here runs on the event loop.
@@ -182,10 +183,9 @@ class SessionTable:
         return restored
 
     @staticmethod
-    def arrived(rt: SessionRuntime, *, scope: str, seq: int | None, now: float) -> float | None:
-        """An acquire of the session: the credential scope it came in and its sequence number. Returns its
-        think time (from its last release to now) when it had one."""
-        rt.scope = scope
+    def arrived(rt: SessionRuntime, *, seq: int | None, now: float) -> float | None:
+        """An acquire of the session: its sequence number. Returns its think time (from its last release to
+        now) when it had one."""
         if seq is not None:
             rt.seq = seq
         if rt.released_at is None:

@@ -110,6 +110,7 @@ class Telemetry:
             "backend_exits": _total(m.backend_exits),
             "shared_prefix_tokens": _total(m.shared_prefix_tokens),
             "prefix_donor_restores": _total(m.prefix_donor, result="restored"),
+            "scope_erases": _total(m.scope_actions, action="erase"),
         }
 
     # servers ------------------------------------------------------------------------------------------
@@ -345,6 +346,14 @@ class Telemetry:
 
     def erase_failed(self, slot: int, exc: KvError) -> None:
         event(log, logging.WARNING, "kv.slot.erase.failed", slot=slot, code=exc.code)
+
+    def isolation(self, server: str, slot: int, action: str, why: str) -> None:
+        """What scope.py did to a slot: `erase` (why: its verdict), `park` or `prime`, or one that failed."""
+        self.metrics.scope_actions.labels(server, action, why).inc()
+        level = (
+            logging.WARNING if "failed" in action else logging.INFO if action == "erase" else logging.DEBUG
+        )
+        event(log, level, "kv.slot.scope", server=server, slot=slot, action=action, why=why)
 
     # save ---------------------------------------------------------------------------------------------
     def save_start(self, rt: SessionRuntime, trigger: str, slot: int) -> None:

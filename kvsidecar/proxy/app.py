@@ -66,7 +66,7 @@ from kvsidecar.backend.llama_http import (
 from kvsidecar.config import Config
 from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.core import Coordinator
-from kvsidecar.coordinator.state import AcquireResult, Outcome
+from kvsidecar.coordinator.state import HOOK_SCOPE, AcquireResult, Outcome
 from kvsidecar.errors import (
     BackendUnavailable,
     ConfigError,
@@ -155,7 +155,11 @@ class Proxy:
         # other hosts' proxies
         self.fleet = fleet
         self.peers = PeerProxies(
-            coordinator, self.cfg, session_header=self.sessions.session_header, fleet=lambda: self.fleet()
+            coordinator,
+            self.cfg,
+            self.scope,
+            session_header=self.sessions.session_header,
+            fleet=lambda: self.fleet(),
         )
         coordinator.sections.add("proxy", self.view)
 
@@ -255,6 +259,10 @@ class Proxy:
                 "only to a llama-server with one slot (--parallel 1)"
             )
 
+    def scope(self, call: SlotCall) -> str:
+        """A request's credential scope (docs/CLIENTS.md): with the operator's token every client holds it."""
+        return HOOK_SCOPE if self.expected is not None else call.credential
+
     def _kv_headers(self, call: SlotCall, lease: AcquireResult) -> list[tuple[bytes, bytes]] | None:
         signal = (b"x-kv-signal", (call.signal or SIGNAL_NONE).encode())
         if call.session is None:
@@ -316,8 +324,11 @@ class Proxy:
                 model=self.sessions.model_label(call),
                 purpose=None if call.session is not None else AUX_PURPOSE,
                 caller=caller,
-                scope=call.credential,
+                scope=self.scope(call),
                 prefix_from=self.sessions.donor(call),
+                extends=self.sessions.conversations.known_extension(
+                    call.credential, call.session, call.norm, new=call.new, diverged=call.diverged
+                ),
             )
         except KvError as exc:
             await self._refuse(exc, scope, receive, send)
