@@ -75,11 +75,13 @@ class ColdStart:
         share_prefix: bool,
         donor: SnapshotIdentity | None,
         held_by: str | None,
+        isolated: bool = False,
     ) -> None:
         """`load`: the load this ends (allowed: the runtime is proven and the breaker let it run);
         `attempted`: a restore was handed to the server and did not count (the slot's KV is unknown);
         `share_prefix`: KV may be shared at all (`restore.share_prefix`); `held_by`: the key whose KV the
-        slot held until this switch."""
+        slot held until this switch; `isolated`: its own snapshot was not loaded (scope.py), so until a turn
+        of it succeeds the slot is not its to come back to (its snapshot is)."""
         fingerprint = srv.fingerprint
         reachable = srv.available and not self.persist.circuit_open(srv)
         share = load.allowed and not attempted and share_prefix
@@ -102,7 +104,8 @@ class ColdStart:
         # kept KV of unknown size: None; an erase that failed leaves KV of whoever had it (the scope gate,
         # scope.py, sees it before any request runs)
         tokens = 0 if erased else kept if keep else None
-        self.pool.started_cold(slot, tokens, foreign=keep, scope=rt.scope if keep or erased else None)
+        scope = rt.scope if keep or erased else None
+        self.pool.started_cold(slot, tokens, foreign=keep or isolated, scope=scope)
         self.sessions.started_cold(rt)
         self.telemetry.cold(srv.name, result.outcome, result.reason)
 

@@ -152,6 +152,7 @@ class Restorer:
                 share_prefix=share,
                 donor=donor,
                 held_by=held_by,
+                isolated=not own,
             )
 
     def _unavailable(self, srv: ServerRuntime, result: AcquireResult) -> None:

@@ -86,7 +86,8 @@ class Switch:
         cold on its own slot (its saved snapshots stay as they are)."""
         result = AcquireResult(outcome=Outcome.COLD, reason=ISOLATED)
         await self.gate.erase(srv, slot, why, result)
-        self.pool.started_cold(slot, 0, foreign=False, scope=rt.scope)
+        # until a turn of it succeeds here, the empty slot is not its to come back to (its snapshot is)
+        self.pool.started_cold(slot, 0, foreign=True, scope=rt.scope)
         self.sessions.started_cold(rt)
         self.telemetry.cold(srv.name, result.outcome, result.reason)
         return result

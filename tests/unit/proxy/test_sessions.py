@@ -246,6 +246,29 @@ def test_the_conversation_table_is_per_credential_and_bounded() -> None:
     assert credential_of({}) == "anon"
 
 
+def test_a_request_is_known_to_extend_its_session_only_when_it_carries_its_last_request_exactly() -> None:
+    """What the scope gate may rely on (coordinator/scope.py): every element of the session's last request,
+    the last one too, then more; never a cut or rewritten last message, a route without messages, a new
+    session or a divergence."""
+    table = ConversationTable()
+
+    def chat(*texts: str) -> Any:
+        msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
+        return normalize("/v1/chat/completions", {"messages": msgs})
+
+    table.record("k1", "s", "m", chat("hi\n\nreminder"))
+    known = table.known_extension
+    assert known("k1", "s", chat("hi\n\nreminder", "yo", "more"), new=False, diverged=None)
+    assert known("k1", "s", chat("hi\n\nreminder"), new=False, diverged=None)  # a retry
+    assert not known("k1", "s", chat("hi", "yo", "more"), new=False, diverged=None)  # cut at a paragraph
+    assert not known("k1", "s", chat("something else"), new=False, diverged=None)  # rewritten in place
+    assert not known("k1", "s", None, new=False, diverged=None)  # /completion, /infill: no messages
+    assert not known("k2", "s", chat("hi\n\nreminder", "yo"), new=False, diverged=None)  # another scope
+    assert not known("k1", "s", chat("hi\n\nreminder", "yo"), new=True, diverged=None)
+    assert not known("k1", "s", chat("hi\n\nreminder", "yo"), new=False, diverged=0)
+    assert not known("k1", None, chat("hi\n\nreminder", "yo"), new=False, diverged=None)
+
+
 async def test_hook_api_prefix_from_restores_the_donors_snapshot_untouched(tmp_path: Path) -> None:
     """The acquire hint for harnesses that know a session's parent: a cold start on an empty slot begins
     from the donor's newest snapshot; the donor's manifest and files stay as they were; a hostile hint is
