@@ -220,8 +220,11 @@ class ScopeGate:
     ) -> None:
         """The slot is about to run `incoming`: erase it first when the rule says so (refused when that
         fails). Else, with `prime` (KV of other requests of its scope may be reused: always for an auxiliary
-        request, `restore.share_prefix` for a session), an empty slot is left non-empty, so that llama-server
-        looks in its RAM cache as it would for a request it placed itself."""
+        request, `restore.share_prefix` for a session), an empty slot is left non-empty where llama-server's
+        RAM cache may give this scope what it holds, so that llama-server looks there as it would for a
+        request it placed itself (and copies every idle slot's KV there first, as a task starts). A slot
+        that is not empty is left as it is: the request keeps its common prefix with it, and llama-server
+        itself looks in its cache when that is less than half of it."""
         found = self.judge(srv, self.held(slot, incoming, own=own), incoming)
         if found is not Verdict.RUN:
             await self.erase(srv, slot, found, result)

@@ -234,8 +234,8 @@ async def test_an_instance_first_seen_after_it_ran_a_task_may_hold_anyones_kv(tm
 
 async def test_within_one_scope_the_ram_cache_keeps_working(tmp_path: Path) -> None:
     """A local llama-server with its RAM cache on, one scope: KV no session owns (a title's) is handed to
-    that cache before a restore replaces it (kvsidecar's few tokens on the slot), and an empty slot is
-    left non-empty before a request runs on it, so that llama-server looks in the cache as it would alone."""
+    that cache before a restore replaces it (kvsidecar's few tokens on the slot), as llama-server itself
+    would before it reused the slot."""
     h = await start_harness(tmp_path, total_slots=1)
     try:
         h.process[0] = process()  # seen: its settings say the RAM cache is on
@@ -249,7 +249,8 @@ async def test_within_one_scope_the_ram_cache_keeps_working(tmp_path: Path) -> N
         assert h.fake.slot_tokens(0) != []
         h.fake.calls.clear()
         r = await h.coordinator.acquire(None, provider="local", model="m", purpose="t", scope="kbob")
-        assert [c[0] for c in h.fake.calls] == ["save"]  # A's KV, saved: lent as it is (no erase, no park)
+        # A's KV, saved: lent as it is (no erase, no park: the title keeps its common prefix with it)
+        assert [c[0] for c in h.fake.calls] == ["save"]
         await h.coordinator.release(r.lease_id or "", status="aborted")
         h.process[0] = process("--cache-ram", "0")
         await h.coordinator.guard.refresh(h.coordinator.servers["local"], force=True)
