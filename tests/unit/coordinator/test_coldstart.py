@@ -22,7 +22,7 @@ async def turn(h: Harness, session: str, scope: str, *, prefix_from: str | None 
 
 
 def donated(h: Harness) -> bool:
-    return h.coordinator.status()["stats"]["prefix_donor_restores"] > 0
+    return bool(h.coordinator.status()["stats"]["prefix_donor_restores"] > 0)
 
 
 async def test_a_donor_of_another_scope_is_refused_after_a_restart_as_before(tmp_path: Path) -> None:
