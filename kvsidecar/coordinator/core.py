@@ -322,7 +322,6 @@ class Coordinator:
         newest snapshot a cold start of this one may begin from (issue 28; coldstart.py); `extends`: the
         request's prompt is known to extend the session's last one (the proxy's conversation table;
         coordinator/scope.py)."""
-        validate_scope(scope)
         validate_label("provider", provider)
         validate_label("model", model)
         if session_id is not None:
@@ -336,6 +335,7 @@ class Coordinator:
             )
         if session_id is None or purpose is not None:
             # Invariant 7: auxiliary requests never become a session's state.
+            validate_scope(scope)  # a session's is checked as part of its identity
             return await self.acquirer.acquire(srv, None, caller=caller, scope=scope)
         if caller is not None and caller.gone():  # before any claim or wait: nobody reads the answer
             raise caller.error(srv.name)

@@ -37,8 +37,10 @@ llama-server looks in its RAM cache as it would for a request it placed itself.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from collections.abc import Callable
 from enum import StrEnum
+from functools import partial
+from typing import NamedTuple
 
 from kvsidecar.coordinator.guard import PersistGuard
 from kvsidecar.coordinator.pool import SlotPool
@@ -62,17 +64,15 @@ class Verdict(StrEnum):
     RAM_CACHE = "ram_cache"  # rule 3
 
 
-@dataclass(frozen=True, kw_only=True)
-class SlotKv:
-    """What a slot holds when a request is about to run on it."""
+class SlotKv(NamedTuple):
+    """What a slot holds when a request is about to run on it (a tuple: built on the resident path)."""
 
     scope: str | None  # whose KV (None: unknown)
     empty: bool  # known to hold no token
     session: str | None = None  # the session key whose own KV it is (None: nobody's, or not the request's)
 
 
-@dataclass(frozen=True, kw_only=True)
-class Incoming:
+class Incoming(NamedTuple):
     """The request about to run: its scope, its session (None: auxiliary), and whether its prompt is known to
     extend its session's KV (the proxy's conversation table: every element of its session's last request,
     exactly, then more; never known for the hook API, whose prompts kvsidecar never sees)."""
@@ -90,18 +90,18 @@ def keeps_half(slot: SlotKv, incoming: Incoming) -> bool:
     return slot.session is not None and slot.session == incoming.session and incoming.extends
 
 
-def verdict(slot: SlotKv, incoming: Incoming, *, ram_shared: bool) -> Verdict:
+def verdict(slot: SlotKv, incoming: Incoming, *, ram_shared: bool | Callable[[], bool]) -> Verdict:
     """The rule (the module docstring). `ram_shared`: the RAM cache may hold another scope's KV that this
-    request could be given (`ScopeGate.ram_shared`)."""
+    request could be given (`ScopeGate.ram_shared`; a callable is asked only when rule 3 needs it)."""
     if slot.empty:
         return Verdict.RUN
     if slot.scope is None:
         return Verdict.UNKNOWN_SCOPE
     if slot.scope != incoming.scope:
         return Verdict.OTHER_SCOPE
-    if ram_shared and incoming.scope != HOOK_SCOPE and not keeps_half(slot, incoming):
-        return Verdict.RAM_CACHE
-    return Verdict.RUN
+    if incoming.scope == HOOK_SCOPE or keeps_half(slot, incoming):
+        return Verdict.RUN
+    return Verdict.RAM_CACHE if (ram_shared() if callable(ram_shared) else ram_shared) else Verdict.RUN
 
 
 def ram_lookups(process: ProcessInfo | None, *, remote: bool = True) -> bool:
@@ -192,7 +192,7 @@ class ScopeGate:
         return seen is None or any(s != scope for s in seen)
 
     def judge(self, srv: ServerRuntime, slot: SlotKv, incoming: Incoming) -> Verdict:
-        return verdict(slot, incoming, ram_shared=self.ram_shared(srv, incoming.scope))
+        return verdict(slot, incoming, ram_shared=partial(self.ram_shared, srv, incoming.scope))
 
     def may_use_own(self, srv: ServerRuntime, incoming: Incoming) -> bool:
         """May the session's own KV (its snapshot restored) be what its request runs on?"""
