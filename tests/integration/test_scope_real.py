@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import pytest
@@ -128,8 +128,8 @@ class Rig:
         assert answer.status_code == 200, answer.text[:300]
         return answer
 
-    def bob(self, path: str, body: dict[str, Any], sid: str | None = None) -> tuple[int, int, int]:
-        """Bob's request: (tokens reused, the most his own earlier requests could explain, its prompt)."""
+    def bob(self, path: str, body: dict[str, Any], sid: str | None = None) -> Found:
+        """Bob's request, and the most his own earlier requests (or kvsidecar's few tokens) explain."""
         prompt = self.tokens(self.rendered(path, body))
         own = max((common(prompt, t) for t in [*self.own, self.tokens(PARK_PROMPT)]), default=0)
         answer = self.send("bob", path, body, sid)
@@ -137,7 +137,14 @@ class Rig:
         counts = find_timings(answer.text)
         assert counts is not None, answer.text[:300]
         self.own.append(prompt)
-        return int(counts["cache_n"]), own, len(prompt)
+        return Found(int(counts["cache_n"]), own, len(prompt), int(counts["prompt_n"]))
+
+
+class Found(NamedTuple):
+    reused: int  # llama-server's cache_n
+    own: int  # the most bob's own earlier requests explain
+    prompt: int  # its tokens
+    computed: int  # llama-server's prompt_n: what its prompt time is spent on
 
 
 def common(a: list[int], b: list[int]) -> int:
@@ -212,8 +219,8 @@ def start_rig(start_llama: StartServer, tmp_path: Path) -> Iterator[Callable[...
             d.stop()
 
 
-def assert_none_of_alices(rig: Rig, what: str, found: tuple[int, int, int]) -> None:
-    reused, own, prompt = found
+def assert_none_of_alices(rig: Rig, what: str, found: Found) -> None:
+    reused, own, prompt, _ = found
     assert reused <= own, f"{what}: bob reused {reused} of {prompt} tokens, his own requests explain {own}"
 
 
@@ -265,10 +272,14 @@ def test_guessing_a_secret_one_digit_per_turn_learns_nothing(
     base = words("alice-secret", 300) + " the secret is"
     for position, digit in enumerate(SECRET):
         known = base + "".join(f" {d}" for d in SECRET[:position])
+        found = []
         for guess in (digit, str((int(digit) + 1) % 10)):
             rig.alice("/completion", raw(base + " " + " ".join(SECRET)), sid="alice-g")
-            reused, own, prompt = rig.bob("/completion", raw(f"{known} {guess}"))
-            assert reused <= own, f"digit {position} guess {guess}: reused {reused}, own {own} of {prompt}"
+            found.append(rig.bob("/completion", raw(f"{known} {guess}")))
+            assert_none_of_alices(rig, f"digit {position} guess {guess}", found[-1])
+        right, wrong = found
+        if right.own == wrong.own:  # his own guesses explain as much of either: both must show the same
+            assert (right.reused, right.computed) == (wrong.reused, wrong.computed), (position, right, wrong)
 
 
 @pytest.mark.parametrize("cache_ram", [None, "0"], ids=["ram-cache", "cache-ram-0"])
@@ -333,7 +344,7 @@ def test_with_the_operators_token_every_proxy_client_is_one_scope(
     same = rig.send("bob", "/v1/chat/completions", chat("sys one", secret_text("t1") + " x"), "shared-id")
     assert same.headers["x-kv-outcome"] in ("resident", "restored"), dict(same.headers)
     rig.alice("/completion", raw(secret_text("t2")), sid="alice-raw")
-    reused, own, prompt = rig.bob("/completion", raw(secret_text("t2")), sid="alice-raw")
+    reused, own, prompt, _ = rig.bob("/completion", raw(secret_text("t2")), sid="alice-raw")
     assert reused > max(own, prompt // 2), (reused, own, prompt)  # one scope: alice's KV is bob's too
     assert status_of(rig)["stats"]["scope_erases"] == 0
 
