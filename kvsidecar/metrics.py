@@ -207,6 +207,14 @@ class Metrics:
             ["server", "result"],
             registry=r,
         )
+        self.scope_actions = Counter(
+            PREFIX + "scope_actions",
+            "What kvsidecar did to a slot so that no credential scope runs on another's KV (erase, by why: "
+            "other_scope, unknown_scope, ram_cache), or to keep llama-server's RAM cache in use within one "
+            "(park, prime); a failed one: erase_failed, park_failed",
+            ["server", "action", "why"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self._exposed)

@@ -72,16 +72,19 @@ class AcquireBody(_Body):
     model: _Label
     purpose: Annotated[str, Field(min_length=1, max_length=64)] | None = None
     seq: Annotated[int, Field(ge=0)] | None = None
-    # Issue 28: a cold start may begin from this session's newest snapshot (same provider and model); the
-    # id is checked as a session id (400 KV_INVALID_SESSION_ID), never used as a path
+    # Issue 28: a cold start may begin from this session's newest snapshot (same provider, model and
+    # credential scope: the operator's, as its manifest recorded it); the id is checked as a session id
+    # (400 KV_INVALID_SESSION_ID), never used as a path
     prefix_from: (
         Annotated[
             str,
             Field(
                 min_length=1,
                 max_length=256,
-                description="a session (same provider and model) whose newest snapshot a cold start of "
-                "this one may begin from; checked as a session id (400 KV_INVALID_SESSION_ID)",
+                description="a session (same provider and model, of the operator's scope as its manifest "
+                "recorded it: a proxy client's session of that id is another session) whose newest "
+                "snapshot a cold start of this one may begin from; checked as a session id "
+                "(400 KV_INVALID_SESSION_ID)",
             ),
         ]
         | None

@@ -43,6 +43,9 @@ class BackendSlot:
     n_ctx: int | None
     is_processing: bool
     n_tokens: int | None = None  # tokens cached in the slot, when the build reports it
+    # a task (a completion, an embedding, ...) ever ran on it (llama-server: /slots shows `id_task`); a
+    # backend that cannot tell says True
+    used: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -76,6 +76,7 @@ class Hold:
 class _Slot:
     tokens: list[int] = field(default_factory=list)
     is_processing: bool = False
+    used: bool = False  # a task ran on it since the (fake) server started
 
 
 class FakeKvBackend:
@@ -203,7 +204,7 @@ class FakeKvBackend:
             common += 1
         # llama-server always recomputes at least the last prompt token.
         common = min(common, max(0, len(prompt) - 1))
-        slot.tokens = list(prompt)
+        slot.tokens, slot.used = list(prompt), True
         return len(prompt) - common, common
 
     def slot_tokens(self, slot_id: int) -> list[int]:
@@ -250,7 +251,9 @@ class FakeKvBackend:
         self._gate()
         await self._maybe_hang()
         return [
-            BackendSlot(id=i, n_ctx=self.n_ctx, is_processing=s.is_processing, n_tokens=len(s.tokens))
+            BackendSlot(
+                id=i, n_ctx=self.n_ctx, is_processing=s.is_processing, n_tokens=len(s.tokens), used=s.used
+            )
             for i, s in enumerate(self.slots)
         ]
 

@@ -374,6 +374,7 @@ class LlamaCppBackend:
                     n_ctx=_int(item.get("n_ctx")),
                     is_processing=bool(item.get("is_processing", False)),
                     n_tokens=n_tokens,
+                    used="id_task" in item,  # 11434 shows a slot's last task once one ran on it
                 )
             )
         self._slot_ids = frozenset(s.id for s in slots)

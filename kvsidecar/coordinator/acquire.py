@@ -20,6 +20,7 @@ from kvsidecar.coordinator.costs import CostModel
 from kvsidecar.coordinator.leases import LeaseTable
 from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.restore import Restorer
+from kvsidecar.coordinator.scope import Incoming
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionTable
 from kvsidecar.coordinator.state import (
@@ -79,10 +80,13 @@ class Acquirer:
         caller: Caller | None = None,
         scope: str = HOOK_SCOPE,
         donor: SnapshotIdentity | None = None,
+        extends: bool = False,
         named: tuple[str, str] = (UNKNOWN_CLIENT, HOOK_SIGNAL),
     ) -> AcquireResult:
-        """A lease on a slot of `srv` prepared for `identity` (None: an auxiliary request). `named`: the
-        client and the signal that named the session (the session's view shows them)."""
+        """A lease on a slot of `srv` prepared for `identity` (None: an auxiliary request of `scope`; a
+        session's scope is its identity's). `extends`: its prompt is known to extend the session's last one
+        (coordinator/scope.py). `named`: the client and the signal that named the session (the session's
+        view shows them)."""
         key, session_id = (identity.key, identity.session_id) if identity else (None, None)
         lease = Lease(
             id=secrets.token_urlsafe(16),
@@ -101,7 +105,10 @@ class Acquirer:
                 self.telemetry.acquire_abandoned(srv.name, None, lease.session_id, caller.why)
             raise
         try:
-            result = await self._prepare(srv, slot, identity, seq=seq, scope=scope, donor=donor, named=named)
+            incoming = Incoming(
+                scope=identity.scope if identity is not None else scope, session=key, extends=extends
+            )
+            result = await self._prepare(srv, slot, identity, incoming, seq=seq, donor=donor, named=named)
             if caller is not None and caller.gone():
                 # the caller left while its slot was prepared: the restore ran to its end (the slot holds
                 # what its records say), but no lease is granted; the slot goes to the next waiter now
@@ -120,24 +127,22 @@ class Acquirer:
         srv: ServerRuntime,
         slot: Slot,
         identity: SnapshotIdentity | None,
+        incoming: Incoming,
         *,
         seq: int | None,
-        scope: str,
         donor: SnapshotIdentity | None,
         named: tuple[str, str],
     ) -> AcquireResult:
         if identity is None:
-            return await self.switch.to_aux(srv, slot, scope)
+            return await self.switch.to_aux(srv, slot, incoming)
         rt = self.sessions.runtime(identity)
         client, signal = named
-        think_s = self.sessions.arrived(
-            rt, scope=scope, seq=seq, now=self.monotonic(), client=client, signal=signal
-        )
+        think_s = self.sessions.arrived(rt, seq=seq, now=self.monotonic(), client=client, signal=signal)
         if think_s is not None:  # think time: from its last release to this acquire
             self.costs.observe_think(srv.name, think_s)
             self.telemetry.think(srv.name, think_s)
         with self.sessions.busy_with(rt.key):
-            result = await self.switch.to_session(srv, slot, rt, donor)
+            result = await self.switch.to_session(srv, slot, rt, incoming, donor)
         self.sessions.prepared(rt, result.outcome.value, result.reason)
         return result
 
@@ -207,5 +212,8 @@ class Acquirer:
             # no turn of rt ran on the KV its cold start kept: not rt's to come back to
             self.pool.vacate(slot)
         if slot is not None:
+            # whatever ran under the lease, the slot is not known to be empty any more (scope.py)
+            ran = rt is not None and slot.owner == rt.key and status == "ok"
+            self.pool.touched(slot, rt.context_tokens if ran and rt is not None else None)
             self.pool.give_back(srv, slot)
         return out

@@ -3,9 +3,12 @@ the session's own is restored.
 
 Issue 28: KV is shared between sessions only within one credential scope. A cold start keeps the slot's KV
 (llama-server reuses only its exact common prefix with the prompt, so it can change how fast, never what,
-the answer is) when the runtime is proven, no restore failed into the slot, and the slot's previous user was
-of the same scope; with a `donor` (the `prefix_from` hint) it starts from that session's newest snapshot
-instead, read only (the donor's files and state are never changed). Otherwise the slot is erased.
+the answer is) when the runtime is proven, no restore failed into the slot, the slot's previous user was
+of the same scope, and the scope gate allows KV of another session of the scope at all (`share`,
+coordinator/scope.py); with a `donor` (the `prefix_from` hint) it starts from that session's newest snapshot
+instead, read only (the donor's files and state are never changed), when the donor's recorded scope is the
+session's. Otherwise the slot is erased. Whatever it ends with, the scope gate checks it before the request
+runs.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.runtime import RuntimeGuard, RuntimeMark
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionTable
-from kvsidecar.coordinator.state import HOOK_SCOPE, AcquireResult, SessionRuntime, Slot
+from kvsidecar.coordinator.state import AcquireResult, SessionRuntime, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import KvError
 from kvsidecar.fingerprint.runtime import RuntimeFingerprint
@@ -72,11 +75,13 @@ class ColdStart:
         share_prefix: bool,
         donor: SnapshotIdentity | None,
         held_by: str | None,
+        isolated: bool = False,
     ) -> None:
         """`load`: the load this ends (allowed: the runtime is proven and the breaker let it run);
         `attempted`: a restore was handed to the server and did not count (the slot's KV is unknown);
         `share_prefix`: KV may be shared at all (`restore.share_prefix`); `held_by`: the key whose KV the
-        slot held until this switch."""
+        slot held until this switch; `isolated`: its own snapshot was not loaded (scope.py), so until a turn
+        of it succeeds the slot is not its to come back to (its snapshot is)."""
         fingerprint = srv.fingerprint
         reachable = srv.available and not self.persist.circuit_open(srv)
         share = load.allowed and not attempted and share_prefix
@@ -91,23 +96,30 @@ class ColdStart:
         elif donor is not None:
             self.telemetry.prefix_donated(srv.name, rt, donor.short, None, "off")
         keep = share and (kept is not None or (slot.scope is not None and slot.scope == rt.scope))
-        erase = not keep and (load.allowed or reachable)
-        if erase:
-            await self._erase(srv, slot, result)
-        elif kept is None:
+        erased = False
+        if not keep and (load.allowed or reachable):
+            erased = await self._erase(srv, slot, result)
+        elif keep and kept is None:
             kept = await self._slot_tokens(load, srv, slot)
-        self.pool.started_cold(slot, 0 if erase else kept, foreign=keep)  # kept KV of unknown size: None
+        # kept KV of unknown size: None; an erase that failed leaves KV of whoever had it (the scope gate,
+        # scope.py, sees it before any request runs)
+        tokens = 0 if erased else kept if keep else None
+        scope = rt.scope if keep or erased else None
+        self.pool.started_cold(slot, tokens, foreign=keep or isolated, scope=scope)
         self.sessions.started_cold(rt)
         self.telemetry.cold(srv.name, result.outcome, result.reason)
 
-    async def _erase(self, srv: ServerRuntime, slot: Slot, result: AcquireResult) -> None:
+    async def _erase(self, srv: ServerRuntime, slot: Slot, result: AcquireResult) -> bool:
         try:
             async with self.persist.persisting(srv, "erase", slot=slot) as op:
                 await op.call(srv.backend.erase_slot(slot.id))
             result.actions.append("erase")
+            return True
         except KvError as exc:
-            # Leftover KV is harmless for correctness (the engine only reuses an exact token prefix).
+            # Leftover KV changes no answer (the engine only reuses an exact token prefix); the scope gate
+            # erases it again, or refuses the request, before a request of another scope could see it.
             self.telemetry.erase_failed(slot.id, exc)
+            return False
 
     async def _slot_tokens(self, load: Persisting, srv: ServerRuntime, slot: Slot) -> int | None:
         """How many tokens the slot's kept KV holds, as llama-server says (None: it cannot say). A cold
@@ -131,16 +143,20 @@ class ColdStart:
     ) -> str:
         """Issue 28: a cold session starts from `donor`'s newest snapshot (same provider, model, runtime and
         credential scope). The donor's files and manifest are only read; its state is not changed. Returns
-        restored / resident (the slot still holds the donor's KV) / none / refused / failed."""
+        restored / resident (the slot still holds the donor's KV) / none / refused / failed.
+
+        The donor's scope is part of its key (`SnapshotIdentity`), and the scope its manifest recorded must
+        be the session's too: what is on disk decides, not what this daemon remembers (a manifest written
+        before scopes were recorded, whose scope is unknown, is never a donor)."""
         donor_rt = self.sessions.get(donor.key)
-        donor_scope = donor_rt.scope if donor_rt is not None else None
+        manifest = self.store.get(donor.key)
         tokens: int | None = None
-        if donor_scope is None and rt.scope != HOOK_SCOPE:
-            why = "refused"  # unknown scope: only the hook API (the operator's token) may name it
-        elif donor_scope is not None and donor_scope != rt.scope:
+        if donor.scope != rt.scope:
             why = "refused"
         elif held_by == donor.key and slot.scope == rt.scope:
             why = "resident"  # it was just evicted from this very slot: its KV is there already
+        elif manifest is not None and manifest.scope != rt.scope:
+            why = "refused"  # recorded under another scope, or before scopes were recorded
         else:
             with self.sessions.busy_with(donor.key):  # retention leaves its files alone meanwhile
                 why, tokens = await self._restore_donor(srv, slot, donor, donor_rt, fingerprint)

@@ -49,18 +49,25 @@ from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.restore import Restorer
 from kvsidecar.coordinator.runtime import RuntimeGuard
 from kvsidecar.coordinator.save import Saver
+from kvsidecar.coordinator.scope import ScopeGate, ScopeLedger
 from kvsidecar.coordinator.server import ProcessFinder, ServerRuntime, build_servers
 from kvsidecar.coordinator.sessions import SessionTable
 from kvsidecar.coordinator.state import HOOK_SCOPE, HOOK_SIGNAL, UNKNOWN_CLIENT, AcquireResult, Outcome
 from kvsidecar.coordinator.switch import Switch
 from kvsidecar.coordinator.telemetry import ResidencyObserver, Telemetry
-from kvsidecar.errors import KvError, ShuttingDown
+from kvsidecar.errors import ShuttingDown
 from kvsidecar.files.atomic import SHARED_TEMP_AGE_S
 from kvsidecar.fingerprint.file_digests import FileDigestCache
 from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.fingerprint.savepath import llama_save_dir
 from kvsidecar.metrics import Metrics
-from kvsidecar.store.naming import SnapshotIdentity, validate_label, validate_session_id
+from kvsidecar.store.naming import (
+    SnapshotIdentity,
+    managed_key,
+    validate_label,
+    validate_scope,
+    validate_session_id,
+)
 from kvsidecar.store.snapshots import SnapshotStore
 
 __all__ = ["INVALIDATED", "AcquireResult", "Coordinator", "EventType", "ReleaseStatus"]
@@ -133,8 +140,12 @@ class Coordinator:
         bracket first, then who may write a key, restore, save and the checkpoint policy."""
         config, store, sessions, telemetry = self.config, self.store, self.sessions, self.telemetry
         self.persist = PersistGuard(telemetry=telemetry)
+        # whose KV a request may run on (one credential scope never runs on another's), on every path
+        self.scopes = ScopeGate(
+            pool=self.pool, persist=self.persist, telemetry=telemetry, ledger=ScopeLedger()
+        )
         self.guard = RuntimeGuard(
-            sessions=sessions, pool=self.pool, telemetry=telemetry, persist=self.persist
+            sessions=sessions, pool=self.pool, telemetry=telemetry, persist=self.persist, scopes=self.scopes
         )
         # who may write a key's files: always this host, unless fleet mode installs its gate
         self.ownership = KeyOwnership(store=store, sessions=sessions, servers=self.servers, gate=gate)
@@ -184,6 +195,7 @@ class Coordinator:
             restorer=self.restorer,
             checkpoints=self.checkpoints,
             telemetry=telemetry,
+            gate=self.scopes,
         )
         self.acquirer = Acquirer(
             servers=self.servers,
@@ -279,21 +291,15 @@ class Coordinator:
         return self.servers[name] if name is not None else None
 
     def session_key(
-        self, session_id: str, provider: str, model: str, purpose: str | None
+        self, session_id: str, provider: str, model: str, purpose: str | None, scope: str = HOOK_SCOPE
     ) -> tuple[str | None, str | None]:
         """(identity key, server) an acquire of these would manage; (None, None) for a bypass or an
         auxiliary request (fleet routing: nothing to route by). Bad labels are left to acquire."""
         srv = self.route(provider)
         if srv is None or purpose is not None or not self.config.enabled:
             return None, None
-        try:
-            validate_label("provider", provider)
-            validate_label("model", model)
-            validate_session_id(session_id)
-        except KvError:
-            return None, None
-        key = SnapshotIdentity(server=srv.name, provider=provider, model=model, session_id=session_id).key
-        return key, srv.name
+        key = managed_key(srv.name, provider=provider, model=model, session_id=session_id, scope=scope)
+        return (key, srv.name) if key is not None else (None, None)
 
     async def acquire(
         self,
@@ -306,14 +312,14 @@ class Coordinator:
         caller: Caller | None = None,
         scope: str = HOOK_SCOPE,
         prefix_from: str | None = None,
+        extends: bool = False,
         signal: str = HOOK_SIGNAL,
         client: str = UNKNOWN_CLIENT,
     ) -> AcquireResult:
-        """`caller`: who waits for the answer; once it is gone the wait ends and no lease is granted.
-        `scope`: the caller's credential scope; `prefix_from`: a session of the same provider, model and
-        scope whose newest snapshot a cold start of this one may begin from (issue 28; coldstart.py).
-        `signal`, `client`: what named the session and which client sent it (the proxy's fixed names; the
-        session's view and its log events show them)."""
+        """`caller`: who waits (once gone, no lease). `scope`: the credential scope, part of the identity (an
+        id under another scope is another session). `prefix_from`: a same-scope session whose snapshot a
+        cold start may begin from (coldstart.py). `extends`: the prompt is known to extend the session's last
+        one (coordinator/scope.py). `signal`, `client`: what named it (its view and log events show them)."""
         validate_label("provider", provider)
         validate_label("model", model)
         if session_id is not None:
@@ -327,18 +333,24 @@ class Coordinator:
             )
         if session_id is None or purpose is not None:
             # Invariant 7: auxiliary requests never become a session's state.
+            validate_scope(scope)  # a session's is checked as part of its identity
             return await self.acquirer.acquire(srv, None, caller=caller, scope=scope)
         if caller is not None and caller.gone():  # before any claim or wait: nobody reads the answer
             raise caller.error(srv.name)
-        identity = SnapshotIdentity(server=srv.name, provider=provider, model=model, session_id=session_id)
+        identity = SnapshotIdentity(
+            server=srv.name, provider=provider, model=model, session_id=session_id, scope=scope
+        )
         # fleet: take (or keep) the key before touching it; a stale local copy is dropped first. A host
         # that may not write it still serves the session (a restore is a read); its saves are refused.
         await self.ownership.claim(identity.key)
         donor = None
         if prefix_from is not None and prefix_from != session_id:
-            donor = SnapshotIdentity(server=srv.name, provider=provider, model=model, session_id=prefix_from)
+            donor = SnapshotIdentity(
+                server=srv.name, provider=provider, model=model, session_id=prefix_from, scope=scope
+            )
+        named = (client, signal)
         return await self.acquirer.acquire(
-            srv, identity, seq=seq, caller=caller, scope=scope, donor=donor, named=(client, signal)
+            srv, identity, seq=seq, caller=caller, scope=scope, donor=donor, extends=extends, named=named
         )
 
     # release -----------------------------------------------------------------------------------------
@@ -415,9 +427,7 @@ class Coordinator:
     def protected_keys(self) -> set[str]:
         """Snapshots retention must not touch: resident in a slot, leased, or under an operation."""
         keys = {lease.key for lease in self.leases if lease.key is not None} | set(self.sessions.busy)
-        for srv in self.servers.values():
-            keys |= {s.owner for s in srv.slots.values() if s.owner is not None}
-        return keys
+        return keys | {s.owner for srv in self.servers.values() for s in srv.slots.values() if s.owner}
 
     # views -------------------------------------------------------------------------------------------
     def session_views(self, session_id: str | None = None) -> list[dict[str, Any]]:

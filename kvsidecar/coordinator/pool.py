@@ -13,7 +13,8 @@ Owners: `SlotPool` is the only code that writes a `Slot` and the only holder of 
   runs on it), `vacate()` (no session's KV counts as in it any more), `forget_content()` (the server lost
   it);
 - `tokens`, `foreign_kv`: `loaded()` (a restore), `started_cold()` (a cold start), `owner_ran()` (a turn of
-  its owner), `erased()` (the runtime canary's erase), `forget_content()`;
+  its owner), `erased()` (an erase: the canary's, scope.py's), `touched()` (a request ran on it),
+  `forget_content()`; `loaded()` and `started_cold()` also set `scope` (whose KV it holds now);
 - `cleaning_until`: `cleaning()`, while the checkpoint policy saves the slot ahead of its switch;
 - the queue of requests waiting for a slot, per server (`queued()`, `waiting()`).
 Everything here runs on the event loop; `dispatch()` has no await, so nothing interleaves with it.
@@ -256,16 +257,19 @@ class SlotPool:
         slot.owner, slot.holds_aux, slot.tokens = None, False, None
 
     @staticmethod
-    def loaded(slot: Slot, tokens: int) -> None:
-        """A restore put exactly `tokens` of its session's own snapshot into the slot."""
-        slot.tokens, slot.foreign_kv = tokens, False
+    def loaded(slot: Slot, tokens: int, scope: str) -> None:
+        """A restore put exactly `tokens` of its session's own snapshot (of `scope`) into the slot."""
+        slot.tokens, slot.foreign_kv, slot.scope = tokens, False, scope
 
     @staticmethod
-    def started_cold(slot: Slot, tokens: int | None, *, foreign: bool) -> None:
+    def started_cold(slot: Slot, tokens: int | None, *, foreign: bool, scope: str | None) -> None:
         """A cold start: the slot was erased (0), or kept its KV (`tokens`, None: unknown), which is not
         its new owner's own when `foreign` (left by another session, or a donor's snapshot): until a turn of
-        the owner succeeds on it, the slot is not the owner's to come back to."""
+        the owner succeeds on it, the slot is not the owner's to come back to. `scope`: whose KV it holds
+        now (None: as before, e.g. an erase that failed)."""
         slot.tokens, slot.foreign_kv = tokens, foreign
+        if scope is not None:
+            slot.scope = scope
 
     @staticmethod
     def owner_ran(slot: Slot) -> None:
@@ -275,6 +279,12 @@ class SlotPool:
     @staticmethod
     def erased(slot: Slot) -> None:
         slot.tokens = 0
+
+    @staticmethod
+    def touched(slot: Slot, tokens: int | None = None) -> None:
+        """A request ran on the slot (a lease ended, or kvsidecar's own few tokens): it is not known to be
+        empty any more (`tokens`: its size when known)."""
+        slot.tokens = tokens or None
 
 
 def _check_held(srv: ServerRuntime, slot: Slot, what: str) -> None:

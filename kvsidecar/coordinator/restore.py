@@ -31,6 +31,7 @@ from kvsidecar.coordinator.guard import PersistGuard, Persisting
 from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.runtime import RuntimeGuard, RuntimeMark
 from kvsidecar.coordinator.save import Saver
+from kvsidecar.coordinator.scope import ISOLATED
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
 from kvsidecar.coordinator.state import AcquireResult, Outcome, SessionRuntime, Slot
@@ -119,10 +120,14 @@ class Restorer:
         *,
         donor: SnapshotIdentity | None = None,
         held_by: str | None = None,
+        own: bool = True,
+        share: bool = True,
     ) -> None:
         """Restore the session's snapshot into the slot, or start cold (issue 28: from the KV the slot holds,
         or from `donor`'s snapshot, within one credential scope; else erased). `held_by`: the key whose KV
-        the slot held until this switch."""
+        the slot held until this switch. `own` / `share`: whether its request may run on its own snapshot /
+        on KV of another session of its scope (coordinator/scope.py); when not, that KV is never loaded (a
+        session whose own snapshot may not be used starts cold, `ISOLATED`)."""
         await Saver.wait_commit(rt)  # its own last save may still be committing (evicted just before)
         proven = await self.guard.same_runtime(srv, slot)
         async with self.persist.persisting(srv, "load", slot=slot, ready=proven) as op:
@@ -130,11 +135,13 @@ class Restorer:
             attempted = False  # a restore was handed to the server and did not count: unknown KV in the slot
             if not op.allowed:
                 self._unavailable(srv, result)
+            elif not own:  # its snapshot (if any) is not loaded: cold, and why
+                result.reason = ISOLATED if self.store.get(rt.key) is not None else None
             elif self.config.restore.enabled and fingerprint is not None:
                 restored, attempted = await self._from_snapshot(op, srv, slot, rt, result, fingerprint)
                 if restored:
                     return
-            share = self.config.restore.share_prefix
+            share = self.config.restore.share_prefix and share
             await self.cold.start(
                 op,
                 srv,
@@ -145,6 +152,7 @@ class Restorer:
                 share_prefix=share,
                 donor=donor,
                 held_by=held_by,
+                isolated=not own,
             )
 
     def _unavailable(self, srv: ServerRuntime, result: AcquireResult) -> None:
@@ -244,7 +252,7 @@ class Restorer:
         if candidate.fallback:
             result.reason = f"previous generation ({fallback_reason or 'fallback'})"
         self.sessions.restored(rt, tokens=restored.tokens, generation=candidate.generation)
-        self.pool.loaded(slot, restored.tokens)
+        self.pool.loaded(slot, restored.tokens, rt.scope)
         self.telemetry.restored(srv.name, restored.bytes_read, restored.measured_ms)
         self.costs.observe_transfer(
             srv.name,

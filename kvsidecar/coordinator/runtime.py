@@ -18,6 +18,7 @@ from kvsidecar.coordinator.canary import measure_canary
 from kvsidecar.coordinator.exits import ExitWatch
 from kvsidecar.coordinator.guard import PersistGuard
 from kvsidecar.coordinator.pool import SlotPool
+from kvsidecar.coordinator.scope import ScopeGate
 from kvsidecar.coordinator.server import RefreshResult, ServerRuntime
 from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
 from kvsidecar.coordinator.state import Slot
@@ -37,12 +38,19 @@ class RuntimeMark:
 
 class RuntimeGuard:
     def __init__(
-        self, *, sessions: SessionTable, pool: SlotPool, telemetry: Telemetry, persist: PersistGuard
+        self,
+        *,
+        sessions: SessionTable,
+        pool: SlotPool,
+        telemetry: Telemetry,
+        persist: PersistGuard,
+        scopes: ScopeGate,
     ) -> None:
         self.sessions = sessions
         self.pool = pool
         self.telemetry = telemetry
         self.persist = persist
+        self.scopes = scopes  # told of each instance first seen (which scopes its RAM cache may hold)
         self.exits = ExitWatch(telemetry=telemetry)  # how a local process ended, and crash loops
         self._epochs: dict[str, int] = {}  # restarts seen, by server name
 
@@ -81,6 +89,8 @@ class RuntimeGuard:
             self.exits.note(srv, before)
             if result.restarted:
                 self.forget_residency(srv, result.reason or "restart")
+            if result.available and (result.new_process or not self.scopes.ledger.known(srv)):
+                await self.scopes.first_sight(srv)  # before the canary: its own task would count
             if srv.needs_canary:
                 await self._canary(srv, slot, quiet=bracket)
         if not result.available and srv.caps is None:

@@ -51,11 +51,19 @@ log = logging.getLogger("kvsidecar.server")
 ProcessFinder = Callable[[str], ProcessInfo | None]
 
 
+# The restart reasons that prove a new llama-server process (not a server that only looked gone for a while).
+NEW_PROCESS = frozenset({"process changed", "instance nonce changed"})
+
+
 @dataclass(frozen=True, kw_only=True)
 class RefreshResult:
     available: bool
     restarted: bool
     reason: str | None = None
+
+    @property
+    def new_process(self) -> bool:
+        return self.restarted and self.reason in NEW_PROCESS
 
 
 class ServerRuntime:

@@ -21,9 +21,10 @@ Owners: `SessionTable` is the only code that writes these fields of a `SessionRu
 - `dirty_since`, `dirty_since_rev` (`mark_unsaved()`);
 - what the slot holds of it: `base_tokens`, `base_generation`, `context_tokens`, `append_only`,
   `verify_tokens` (`restored()`, `started_cold()`, `saved()`, `track_context()`, `take_verify()`);
-- who last called and when: `scope`, `seq`, `released_at`, `think_s`, `client_name`, `named_by`
-  (`arrived()`, `released()`, `hinted()`); what its last acquire did: `last_outcome`, `last_reason`
-  (`prepared()`); the engine's reuse of its latest turns: `recent_turns` (`track_context()`).
+- who last called and when: `seq`, `released_at`, `think_s`, `client_name`, `named_by` (`arrived()`,
+  `released()`, `hinted()`); what its last acquire did: `last_outcome`, `last_reason` (`prepared()`);
+  the engine's reuse of its latest turns: `recent_turns` (`track_context()`); its credential scope is
+  part of its identity (never written).
 The checkpoint policy's own timers (`idle_*`, `clean_*`, `protect_*`) are written by checkpoint.py alone,
 the overlapped commit (`pending_commit`) by save.py and the refused files (`refused`) by restore.py.
 Everything here runs on the event loop.
@@ -188,16 +189,15 @@ class SessionTable:
     def arrived(
         rt: SessionRuntime,
         *,
-        scope: str,
         seq: int | None,
         now: float,
         client: str = UNKNOWN_CLIENT,
         signal: str = HOOK_SIGNAL,
     ) -> float | None:
-        """An acquire of the session: the credential scope it came in, its sequence number, the client and
+        """An acquire of the session: its sequence number, the client and
         the signal that named it (fixed names). Returns its think time (from its last release to now) when
         it had one."""
-        rt.scope, rt.client_name, rt.named_by = scope, client, signal
+        rt.client_name, rt.named_by = client, signal
         if seq is not None:
             rt.seq = seq
         if rt.released_at is None:

@@ -14,12 +14,24 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from kvsidecar.store.naming import SnapshotIdentity
+from kvsidecar.store.naming import HOOK_SCOPE, SnapshotIdentity
 
-HOOK_SCOPE = "hook"  # the credential scope of hook API acquires (the operator's token); the proxy's: digests
 HOOK_SIGNAL = "hook"  # what named a session acquired through the hook API (the proxy names its own signals)
 UNKNOWN_CLIENT = "unknown"  # a client the proxy did not recognize, or a hook API caller
 TURNS_SHOWN = 4  # the latest turns whose reuse a session's view shows
+
+__all__ = [
+    "HOOK_SCOPE",
+    "HOOK_SIGNAL",
+    "TURNS_SHOWN",
+    "UNKNOWN_CLIENT",
+    "AcquireResult",
+    "Lease",
+    "Outcome",
+    "SessionRuntime",
+    "SessionState",
+    "Slot",
+]
 
 
 class SessionState(StrEnum):
@@ -77,10 +89,6 @@ class SessionRuntime:
     dirty_since_rev: int = 0
     protect_timer: asyncio.TimerHandle | None = None  # when its unsaved age reaches half or all of the bound
     protect_tried: int = 0  # the revision a background save last tried (one attempt per revision)
-    # Issue 28: the credential scope its requests came in (the proxy's digest of the client's key; `hook`
-    # for the hook API; None: not seen since the daemon started): another session's KV is shared with it
-    # only within one scope (coldstart.py).
-    scope: str | None = None
     # What the user watches (`kvsidecar sessions`): the client and the signal that named it at its latest
     # acquire (fixed names, never client text), that acquire's outcome and reason, and the engine's reuse
     # of its latest turns: (cached, prompt) tokens, llama-server's cache_n and prompt_n + cache_n.
@@ -99,6 +107,12 @@ class SessionRuntime:
         """The client and the signal that named it, as log fields: every `kv.session.*` event carries them
         (fixed names, never client text; None for a session not seen since the daemon started)."""
         return {"client": self.client_name, "signal": self.named_by}
+
+    @property
+    def scope(self) -> str:
+        """The credential scope it belongs to (part of its identity: the proxy's digest of the client's key,
+        `hook` for the operator's): another session's KV is shared with it only within one scope."""
+        return self.identity.scope
 
     @property
     def unsaved_turns(self) -> int:
@@ -170,13 +184,14 @@ class Slot:
     claimed_by: str | None = None
     holds_aux: bool = False
     last_used_at: float = 0.0
+    # What it holds, as far as kvsidecar knows: 0 only while it is known empty (erased, and nothing ran on it
+    # since); None: unknown.
     tokens: int | None = None
     # While it is saved ahead of its switch: until when (monotonic) a new session waits for it rather than
     # evict another dirty slot (past that, the save overran its prediction and nobody waits any longer).
     cleaning_until: float | None = None
-    # Issue 28: the credential scope of whoever last ran on it (None: unknown, e.g. what the slot held before
-    # the daemon started); a cold start keeps the slot's KV (the engine reuses only its exact common prefix
-    # with the prompt) only within one known scope.
+    # The credential scope of the KV it holds (None: unknown, e.g. what the slot held before the daemon
+    # started): KV of one scope is never left in the slot for a request of another (coordinator/scope.py).
     scope: str | None = None
     # A cold start kept KV that is not its owner's (left by another session, or a donor's snapshot): until a
     # turn of the owner succeeds on it, the slot is not the owner's to come back to (released otherwise).

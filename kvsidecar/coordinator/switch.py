@@ -6,6 +6,12 @@
 read ahead, the session is restored or started cold (`Restorer.load`) while the evicted session's save
 commits, and the slot is assigned to it (`SlotPool.assign`). `Switch.to_aux()` evicts the same way and
 lends the slot to an auxiliary request, which becomes no session's state (Invariant 7).
+
+Every path ends at the scope gate (`ScopeGate.admit`, coordinator/scope.py): whatever the slot holds then
+(the session's own KV, kept or donated KV, an auxiliary request's leftovers) is checked against the request
+about to run, and erased when it may not run on it. A resident session whose own KV the gate refuses starts
+cold on its own slot. Which KV may be loaded at all (its own snapshot, another session's) is asked of the gate
+before anything is loaded, so that nothing is restored only to be erased.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.restore import Restorer
 from kvsidecar.coordinator.runtime import RuntimeGuard
 from kvsidecar.coordinator.save import Saver
+from kvsidecar.coordinator.scope import ISOLATED, Incoming, ScopeGate, Verdict
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionTable
 from kvsidecar.coordinator.state import AcquireResult, Outcome, SessionRuntime, Slot
@@ -34,6 +41,7 @@ class Switch:
         restorer: Restorer,
         checkpoints: CheckpointPolicy,
         telemetry: Telemetry,
+        gate: ScopeGate,
     ) -> None:
         self.sessions = sessions
         self.pool = pool
@@ -41,27 +49,55 @@ class Switch:
         self.restorer = restorer
         self.checkpoints = checkpoints
         self.telemetry = telemetry
+        self.gate = gate
 
     async def to_session(
-        self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, donor: SnapshotIdentity | None = None
+        self,
+        srv: ServerRuntime,
+        slot: Slot,
+        rt: SessionRuntime,
+        incoming: Incoming,
+        donor: SnapshotIdentity | None = None,
     ) -> AcquireResult:
         # Invariant 6: a resident session costs no disk I/O and no management call. A local server's
         # process is checked (a /proc read, no HTTP): after a restart the slot is empty, not resident.
         if slot.owner == rt.key and srv.process is not None and not srv.process_check(srv.process):
             await self.guard.refresh(srv)
         if slot.owner == rt.key:
-            return AcquireResult(outcome=Outcome.RESIDENT)
+            found = self.gate.judge(srv, self.gate.held(slot, incoming, own=True), incoming)
+            if found is Verdict.RUN:
+                self.gate.ran(srv, incoming)
+                return AcquireResult(outcome=Outcome.RESIDENT)
+            return await self._isolate(srv, slot, rt, found)
         result = AcquireResult(outcome=Outcome.COLD)
-        await self._change_hands(srv, slot, result, rt, donor)
+        own, share = self.gate.may_use_own(srv, incoming), self.gate.may_share(srv, incoming)
+        await self._change_hands(srv, slot, result, rt, donor, own=own, share=share)
+        restored = result.outcome is Outcome.RESTORED
+        prime = self.restorer.config.restore.share_prefix
+        await self.gate.admit(srv, slot, incoming, result, own=restored, prime=prime)
         self.pool.assign(srv, slot, rt.key, rt.scope)
         self.telemetry.loaded(srv.name, slot.id, rt, result)
         return result
 
-    async def to_aux(self, srv: ServerRuntime, slot: Slot, scope: str) -> AcquireResult:
+    async def _isolate(
+        self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, why: Verdict
+    ) -> AcquireResult:
+        """A resident session whose own KV its request may not run on (scope.py, rule 3): erased, it starts
+        cold on its own slot (its saved snapshots stay as they are)."""
+        result = AcquireResult(outcome=Outcome.COLD, reason=ISOLATED)
+        await self.gate.erase(srv, slot, why, result)
+        # until a turn of it succeeds here, the empty slot is not its to come back to (its snapshot is)
+        self.pool.started_cold(slot, 0, foreign=True, scope=rt.scope)
+        self.sessions.started_cold(rt)
+        self.telemetry.cold(srv.name, result.outcome, result.reason)
+        return result
+
+    async def to_aux(self, srv: ServerRuntime, slot: Slot, incoming: Incoming) -> AcquireResult:
         """Spec §72: checkpoint the owner, then the slot belongs to no session."""
         result = AcquireResult(outcome=Outcome.COLD, reason="auxiliary")
         await self._change_hands(srv, slot, result, None, None)
-        self.pool.lend_to_aux(srv, slot, scope)
+        await self.gate.admit(srv, slot, incoming, result, own=False, prime=True)
+        self.pool.lend_to_aux(srv, slot, incoming.scope)
         return result
 
     async def _change_hands(
@@ -71,6 +107,9 @@ class Switch:
         result: AcquireResult,
         rt: SessionRuntime | None,
         donor: SnapshotIdentity | None,
+        *,
+        own: bool = True,
+        share: bool = True,
     ) -> None:
         """Evict the slot's owner, then load the incoming session (None: an auxiliary request)."""
         evicted = self.sessions.get(slot.owner)
@@ -80,6 +119,9 @@ class Switch:
         if rt is not None:
             self.telemetry.switch(srv.name, slot.id, rt, result.evicted)
             held_by = evicted.key if evicted is not None else None
-            await self.restorer.load(srv, slot, rt, result, donor=donor, held_by=held_by)
+            await self.gate.before_replace(srv, slot, held_by)
+            await self.restorer.load(
+                srv, slot, rt, result, donor=donor, held_by=held_by, own=own, share=share
+            )
         if evicted is not None:  # the evicted session's save commits meanwhile (save.py `overlap`)
             await Saver.wait_commit(evicted)

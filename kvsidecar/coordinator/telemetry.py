@@ -9,31 +9,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 from kvsidecar.coordinator.costs import CostModel
 from kvsidecar.coordinator.gauges import CostCollector, StateCollector, UnsavedCollector
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.state import Lease, Outcome, SessionRuntime
+from kvsidecar.coordinator.telemetry_servers import ResidencyObserver, ServerEvents
 from kvsidecar.errors import KvError
-from kvsidecar.fingerprint.llama_exit import ExitEvidence, crash_hint
 from kvsidecar.logs import event
 from kvsidecar.metrics import Metrics
 from kvsidecar.store.naming import short_id
 from kvsidecar.store.snapshots import Candidate, Rejection, SnapshotStore
 
 log = logging.getLogger("kvsidecar.coordinator")
-
-
-class ResidencyObserver(Protocol):
-    """Told when a slot's content changes (fleet mode publishes residency from it). Called on the event
-    loop in the middle of an acquire: it must return at once and never raise (it queues its own I/O)."""
-
-    def slot_loaded(self, server: str, slot: int, key: str) -> None:
-        """Slot `slot` of `server` now holds session key `key` (restored or cold; its previous owner left)."""
-
-    def server_emptied(self, server: str) -> None:
-        """Every slot of `server` lost its content (llama-server restarted)."""
+__all__ = ["ResidencyObserver", "Telemetry"]
 
 
 def _total(metric: Any, **labels: str) -> int:
@@ -46,7 +36,7 @@ def _total(metric: Any, **labels: str) -> int:
     return int(total)
 
 
-class Telemetry:
+class Telemetry(ServerEvents):
     def __init__(self, metrics: Metrics, costs: CostModel) -> None:
         self.metrics = metrics
         metrics.registry.register(CostCollector(costs))
@@ -110,71 +100,8 @@ class Telemetry:
             "backend_exits": _total(m.backend_exits),
             "shared_prefix_tokens": _total(m.shared_prefix_tokens),
             "prefix_donor_restores": _total(m.prefix_donor, result="restored"),
+            "scope_erases": _total(m.scope_actions, action="erase"),
         }
-
-    # servers ------------------------------------------------------------------------------------------
-    def server_restarted(self, server: str, reason: str) -> None:
-        self.metrics.server_restarts.labels(server).inc()
-        event(log, logging.WARNING, "kv.backend.restarted", server=server, reason=reason)
-        self._tell(lambda o: o.server_emptied(server))
-
-    def server_exited(self, server: str, evidence: ExitEvidence, crash_loop: str | None) -> None:
-        """A local llama-server process went away (coordinator/exits.py): how, and whether it keeps dying."""
-        self.metrics.backend_exits.labels(server, evidence.signal or "unknown").inc()
-        event(
-            log,
-            logging.WARNING,
-            "kv.backend.exited",
-            server=server,
-            pid=evidence.pid,
-            signal=evidence.signal,
-            status=evidence.status,
-            source=evidence.source,
-            detail=evidence.describe(),
-        )
-        if crash_loop is not None:
-            event(
-                log,
-                logging.ERROR,
-                "kv.backend.crash_loop",
-                server=server,
-                signal=crash_loop,
-                hint=crash_hint(crash_loop),
-            )
-
-    def carry_over(self, server: str, rt: SessionRuntime, result: str, detail: str) -> None:
-        """A snapshot saved under another llama.cpp build: carried over (converted, copied), or why not."""
-        self.metrics.carry_over.labels(server, result).inc()
-        level = logging.INFO if result in ("converted", "copied") else logging.WARNING
-        event(
-            log,
-            level,
-            "kv.snapshot.carry_over",
-            server=server,
-            session=rt.identity.short,
-            result=result,
-            detail=detail,
-        )
-
-    def server_unavailable(self, server: str, error: str | None) -> None:
-        event(log, logging.WARNING, "kv.backend.unavailable", server=server, error=error)
-
-    def canary(self, server: str, digest: str) -> None:
-        event(log, logging.INFO, "kv.backend.canary", server=server, digest=digest[:12])
-
-    def canary_failed(self, server: str, exc: KvError) -> None:
-        event(
-            log, logging.WARNING, "kv.backend.canary.failed", server=server, code=exc.code, error=exc.message
-        )
-
-    def circuit_open(self, server: str, code: str, cooldown_s: float) -> None:
-        self.metrics.circuit_open.labels(server).inc()
-        event(
-            log, logging.ERROR, "kv.persistence.circuit_open", server=server, code=code, cooldown_s=cooldown_s
-        )
-
-    def circuit_recovered(self, server: str) -> None:
-        event(log, logging.INFO, "kv.persistence.circuit_recovered", server=server)
 
     # acquire and release ------------------------------------------------------------------------------
     def acquired(self, server: str, slot: int, outcome: Outcome, session_id: str | None) -> None:
@@ -351,6 +278,14 @@ class Telemetry:
 
     def erase_failed(self, slot: int, exc: KvError) -> None:
         event(log, logging.WARNING, "kv.slot.erase.failed", slot=slot, code=exc.code)
+
+    def isolation(self, server: str, slot: int, action: str, why: str) -> None:
+        """What scope.py did to a slot: `erase` (why: its verdict), `park` or `prime`, or one that failed."""
+        self.metrics.scope_actions.labels(server, action, why).inc()
+        level = (
+            logging.WARNING if "failed" in action else logging.INFO if action == "erase" else logging.DEBUG
+        )
+        event(log, level, "kv.slot.scope", server=server, slot=slot, action=action, why=why)
 
     # save ---------------------------------------------------------------------------------------------
     def save_start(self, rt: SessionRuntime, trigger: str, slot: int) -> None:

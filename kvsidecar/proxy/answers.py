@@ -101,6 +101,9 @@ _WORDS: dict[str, str] = {
     "unmanaged provider": "UNMANAGED",
     "disabled": "DISABLED",
     "previous generation": "PREVIOUS_GENERATION",  # "previous generation (<why the newest was not usable>)"
+    # cold: its own KV may not be what its request runs on while other credentials' KV may be in
+    # llama-server's RAM cache, and its prompt is not known to extend it (coordinator/scope.py)
+    "isolated": "ISOLATED",
 }
 NO_SNAPSHOT = "NO_SNAPSHOT"  # cold, no reason given: nothing saved for this session (yet)
 RESTORE_DISABLED = "RESTORE_DISABLED"  # cold because restore.enabled is false

@@ -51,18 +51,16 @@ from starlette.types import Message, Receive, Scope, Send
 
 from kvsidecar.backend.llama_http import (
     ANTHROPIC_ROUTES,
-    CONVERTED_TARGET,
     PUBLIC_PATHS,
     RouteKind,
     classify,
     llama_path,
-    pin,
     read_api_key,
 )
 from kvsidecar.config import Config
 from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.core import Coordinator
-from kvsidecar.coordinator.state import AcquireResult, Outcome
+from kvsidecar.coordinator.state import HOOK_SCOPE, AcquireResult, Outcome
 from kvsidecar.errors import (
     BackendUnavailable,
     BadRequest,
@@ -77,10 +75,10 @@ from kvsidecar.http.limits import Limits, ListenerState
 from kvsidecar.http.messages import ClientGone, read_body, watch_disconnect
 from kvsidecar.proxy import answers
 from kvsidecar.proxy.answers import PROMPT_DIVERGED, SIGNAL_NONE, error_answer, kv_headers, openai_error
-from kvsidecar.proxy.anthropic import chat_request_bytes
 from kvsidecar.proxy.anthropic_errors import ConversionError
-from kvsidecar.proxy.forward import Convert, Forwarder, Outbound, Release, hop_by_hop, lifespan
+from kvsidecar.proxy.forward import Convert, Forwarder, Outbound, Release, lifespan
 from kvsidecar.proxy.gate import admit
+from kvsidecar.proxy.outbound import Outbounds, pinned_body
 from kvsidecar.proxy.peers import HOP, PeerProxies, as_host
 from kvsidecar.proxy.sessions import ProxySessions, SlotCall
 from kvsidecar.proxy.upstream import Upstream
@@ -147,6 +145,9 @@ class Proxy:
         self.forwarder = Forwarder(self.upstream, self._busy)
         self.requests = coordinator.metrics.proxy_request
         self.sessions = ProxySessions(coordinator, self.cfg)
+        self.outbound = Outbounds(
+            session_header=self.sessions.session_header, expected=self.expected, llama_auth=self.llama_auth
+        )
         self.listener = ListenerState(
             "proxy",
             Limits.of(self.cfg),
@@ -157,7 +158,11 @@ class Proxy:
         # other hosts' proxies
         self.fleet = fleet
         self.peers = PeerProxies(
-            coordinator, self.cfg, session_header=self.sessions.session_header, fleet=lambda: self.fleet()
+            coordinator,
+            self.cfg,
+            self.scope,
+            session_header=self.sessions.session_header,
+            fleet=lambda: self.fleet(),
         )
         coordinator.sections.add("proxy", self.view)
 
@@ -225,7 +230,7 @@ class Proxy:
             await self._refuse(exc, scope, receive, send)
             return
         if kind is RouteKind.INFO:
-            out = self._outbound(scope, path, body, authenticated=not public, pinned=False)
+            out = self.outbound.request(scope, path, body, authenticated=not public, pinned=False)
             await self._forward(scope, out, receive, send, kind="passthrough")
             return
         try:
@@ -266,6 +271,10 @@ class Proxy:
                 "only to a llama-server with one slot (--parallel 1)"
             )
 
+    def scope(self, call: SlotCall) -> str:
+        """A request's credential scope (docs/CLIENTS.md): with the operator's token every client holds it."""
+        return HOOK_SCOPE if self.expected is not None else call.credential
+
     def _kv_headers(self, call: SlotCall, lease: AcquireResult) -> list[tuple[bytes, bytes]] | None:
         signal = (b"x-kv-signal", (call.signal or SIGNAL_NONE).encode())
         if call.session is None:
@@ -298,7 +307,7 @@ class Proxy:
         if self.provider is None or not self.coordinator.config.enabled:  # no slot of it is managed
             why = "unmanaged provider" if self.provider is None else "disabled"
             bypass = AcquireResult(outcome=Outcome.BYPASS, reason=why)
-            out = self._outbound(scope, call.path, call.body, authenticated=True, pinned=False)
+            out = self.outbound.request(scope, call.path, call.body, authenticated=True, pinned=False)
             extra = self._kv_headers(call, bypass)
             await self._forward(scope, out, receive, send, kind="passthrough", extra=extra)
             return
@@ -307,7 +316,7 @@ class Proxy:
             return  # refused, and answered
         extra = self._kv_headers(call, lease)
         if lease.lease_id is None or lease.slot_id is None:  # bypass (disabled, shutting down)
-            out = self._outbound(scope, call.path, call.body, authenticated=True, pinned=False)
+            out = self.outbound.request(scope, call.path, call.body, authenticated=True, pinned=False)
             await self._forward(scope, out, receive, send, kind="passthrough", extra=extra)
             return
         await self._run(scope, receive, send, call, lease, kind=kind, extra=extra)
@@ -327,8 +336,11 @@ class Proxy:
                 model=self.sessions.model_label(call),
                 purpose=None if call.session is not None else AUX_PURPOSE,
                 caller=caller,
-                scope=call.credential,
+                scope=self.scope(call),
                 prefix_from=self.sessions.donor(call),
+                extends=self.sessions.conversations.known_extension(
+                    call.credential, call.session, call.norm, new=call.new, diverged=call.diverged
+                ),
                 signal=call.signal or SIGNAL_NONE,  # what named it, and which client (the session's view)
                 client=answers.client_of(call.signal, scope["headers"], call.data),
             )
@@ -355,8 +367,10 @@ class Proxy:
         release = Release(self.coordinator, lease.lease_id)
         status, timings = "aborted", None
         try:
-            body, pinned, convert = self._pinned(call, lease.slot_id)
-            out = self._outbound(scope, call.path, body, authenticated=True, pinned=pinned, converted=convert)
+            body, pinned, convert = pinned_body(call, lease.slot_id)
+            out = self.outbound.request(
+                scope, call.path, body, authenticated=True, pinned=pinned, converted=convert
+            )
             status, timings = await self._forward(
                 scope,
                 out,
@@ -372,55 +386,6 @@ class Proxy:
             await release(status, timings)  # a no-op when the pump already released at the answer's end
         if status == "ok" and call.session is not None:
             self.sessions.after_turn(call, lease, release)
-
-    @staticmethod
-    def _pinned(call: SlotCall, slot_id: int) -> tuple[bytes, bool, Convert | None]:
-        """The body llama-server gets (`id_slot` set; an Anthropic request as a chat completion), whether
-        it is pinned JSON now, and how its answer is converted back."""
-        body, pinned = call.body, call.route is not RouteKind.UNPINNED and call.data is not None
-        convert: Convert | None = None
-        cache_prompt = call.session is not None
-        if call.route is RouteKind.CONVERTED and call.data is not None:
-            # an auxiliary request keeps llama-server's default (cache_prompt on), as pin() leaves it
-            body = chat_request_bytes(call.data, slot_id=slot_id, cache_prompt=True if cache_prompt else None)
-            convert = "stream" if call.data.get("stream") is True else "json"
-        elif pinned:
-            assert call.data is not None
-            body = pin(call.body, call.data, slot_id, cache_prompt=cache_prompt)
-        return body, pinned, convert
-
-    def _outbound(
-        self,
-        scope: Scope,
-        path: str,
-        body: bytes,
-        *,
-        authenticated: bool,
-        pinned: bool,
-        converted: Convert | None = None,
-    ) -> Outbound:
-        """The request as llama-server gets it: the canonical path; no hop-by-hop headers, session header
-        or our token (in either form: llama-server takes `X-Api-Key` as its own key); llama-server's key
-        only for a client that proved it holds ours. `converted`: an Anthropic request sent as a chat
-        completion (no query string, no `anthropic-*` headers)."""
-        drop = hop_by_hop(scope["headers"]) | {self.sessions.session_header}
-        if self.expected is not None or self.llama_auth is not None:
-            drop |= {b"authorization", b"x-api-key"}
-        if pinned:  # the body is plain JSON now, whatever the client said it was
-            drop |= {b"content-type", b"content-encoding"}
-        headers = [
-            (k, v)
-            for k, v in scope["headers"]
-            if k not in drop and not (converted is not None and k.startswith(b"anthropic-"))
-        ]
-        if pinned:
-            headers.append((b"content-type", b"application/json"))
-        if self.llama_auth is not None and authenticated and self.expected is not None:
-            headers.append((b"authorization", self.llama_auth))
-        target = path if converted is None else CONVERTED_TARGET
-        if scope.get("query_string") and converted is None:  # `?beta=true` means nothing to llama-server
-            target += "?" + scope["query_string"].decode("latin-1")
-        return Outbound(method=scope["method"], path=target, body=body, headers=headers)
 
     async def _forward(
         self,

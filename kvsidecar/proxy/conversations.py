@@ -26,7 +26,13 @@ from typing import Final
 
 import xxhash
 
-from kvsidecar.proxy.client_content import KnownConversation, Normalized, conversation_id, find_conversation
+from kvsidecar.proxy.client_content import (
+    KnownConversation,
+    Normalized,
+    conversation_id,
+    extends,
+    find_conversation,
+)
 
 MAX_CREDENTIALS: Final = 64  # credentials remembered (least recently used dropped first)
 MAX_PER_CREDENTIAL: Final = 256  # conversations remembered per credential
@@ -35,7 +41,9 @@ _CREDENTIAL_HEADERS: Final = (b"authorization", b"x-api-key")
 
 
 def credential_of(headers: Mapping[bytes, bytes]) -> str:
-    """The credential scope of a request: a digest of its `Authorization` (else `x-api-key`) value."""
+    """The credential scope of a request: a digest of its `Authorization` (else `x-api-key`) value. With the
+    operator's token configured the proxy runs every client in the operator's scope instead (`Proxy.scope`):
+    they all hold that one credential."""
     for name in _CREDENTIAL_HEADERS:
         value = headers.get(name)
         if value:
@@ -74,6 +82,25 @@ class ConversationTable:
     def get(self, credential: str, session_id: str) -> Entry | None:
         table = self._by_cred.get(credential)
         return table.get(session_id) if table is not None else None
+
+    def known_extension(
+        self,
+        credential: str,
+        session_id: str | None,
+        request: Normalized | None,
+        *,
+        new: bool,
+        diverged: int | None,
+    ) -> bool:
+        """Does `request` carry every element of its session's last request, exactly (the last one too), then
+        perhaps more? What the scope gate (coordinator/scope.py) needs to know that its prompt keeps the
+        session's KV: a new session, a divergence, a cut or rewritten last message, or a route without
+        messages (`/completion`, `/infill`) is not known to."""
+        entry = self.get(credential, session_id) if session_id is not None else None
+        if entry is None or request is None or new or diverged is not None:
+            return False
+        match = extends(request, entry.known)
+        return match is not None and match.exact
 
     def identify(self, credential: str, request: Normalized) -> tuple[str, bool]:
         """(conversation id, continued): the known conversation the request extends, or a new id."""

@@ -52,12 +52,14 @@ class PeerProxies:
         self,
         coordinator: Coordinator,
         cfg: ProxyConfig,
+        scope_of: Callable[[SlotCall], str],
         *,
         session_header: bytes,
         fleet: Callable[[], FleetRouter | None],
     ) -> None:
         self.coordinator = coordinator
         self.cfg = cfg
+        self.scope_of = scope_of  # the credential scope a request's session key is in (`Proxy.scope`)
         self.session_header = session_header
         self.fleet = fleet  # asked when a peer falls silent: whether its host is still live
         self.requests = coordinator.metrics.proxy_request
@@ -84,7 +86,7 @@ class PeerProxies:
         if call.session is None or provider is None:
             return False
         hop = hop_count(dict(scope.get("headers", [])))
-        key, server = self.coordinator.session_key(call.session, provider, model, None)
+        key, server = self.coordinator.session_key(call.session, provider, model, None, self.scope_of(call))
         if key is None or server is None:
             return False
         target = await router.proxy_target(key, server, hop)

@@ -32,7 +32,7 @@ from kvsidecar.files.documents import MANIFEST, DocumentError
 from kvsidecar.files.limits import NOT_JSON as _DOC_NOT_JSON
 from kvsidecar.files.limits import NOT_UTF8, VALUE_REASONS
 from kvsidecar.files.limits import TOO_DEEP as _DOC_TOO_DEEP
-from kvsidecar.store.naming import GENERATIONS, Generation, SnapshotIdentity, snapshot_filename
+from kvsidecar.store.naming import GENERATIONS, HOOK_SCOPE, Generation, SnapshotIdentity, snapshot_filename
 
 SCHEMA_VERSION = 1
 MAX_BYTES = MANIFEST.max_bytes  # a real manifest is under 2 KB
@@ -101,6 +101,7 @@ class _ManifestSchema(_Strict):
     current: Literal["a", "b"] | None = None
     generations: dict[Literal["a", "b"], _RecordSchema] = Field(default_factory=dict)
     session_seq: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    scope: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9]{0,63}$")] | None = None
     schema_: Literal[1] = Field(alias="schema")
 
 
@@ -135,6 +136,10 @@ class Manifest:
     current: Generation | None = None
     generations: dict[str, GenerationRecord] = field(default_factory=dict)
     session_seq: int | None = None
+    # The credential scope of the session, recorded at each save. None: a manifest written before scopes were
+    # recorded; its key is the operator's (`HOOK_SCOPE`), so only the operator's sessions can reach it, and
+    # it is never a prefix donor (its real scope is unknown).
+    scope: str | None = None
     schema: int = SCHEMA_VERSION
 
     @classmethod
@@ -148,12 +153,17 @@ class Manifest:
             created_at=now,
             updated_at=now,
             last_used_at=now,
+            scope=identity.scope,
         )
 
     @property
     def identity(self) -> SnapshotIdentity:
         return SnapshotIdentity(
-            server=self.server, provider=self.provider, model=self.model, session_id=self.session_id
+            server=self.server,
+            provider=self.provider,
+            model=self.model,
+            session_id=self.session_id,
+            scope=self.scope if self.scope is not None else HOOK_SCOPE,
         )
 
     def generation(self, gen: Generation | None) -> GenerationRecord | None:

@@ -1,8 +1,13 @@
 """Snapshot identity and file names (spec §13, §16; Invariant 9).
 
-A snapshot belongs to (server, provider, model, session). Its files are named by an opaque xxh3-128 digest
-of that identity plus a generation letter: `<32 hex>.a.bin` / `<32 hex>.b.bin`. No client-supplied string
-ever reaches a filesystem path; session ids are also validated here, at the edge.
+A snapshot belongs to (server, provider, model, session, credential scope). Its files are named by an opaque
+xxh3-128 digest of that identity plus a generation letter: `<32 hex>.a.bin` / `<32 hex>.b.bin`. No
+client-supplied string ever reaches a filesystem path; session ids are also validated here, at the edge.
+
+The scope is part of what a session is: one session id under two credentials is two sessions, with their
+own keys and snapshots (docs/CLIENTS.md). The operator's scope (`HOOK_SCOPE`: the hook API, and the proxy when
+`api.token_file` is set) keeps the key it had before scopes were part of it, so the operator's snapshots
+survive the upgrade; any other scope (a proxy client's credential digest) is hashed into the key.
 """
 
 from __future__ import annotations
@@ -15,12 +20,16 @@ from typing import Literal
 
 import xxhash
 
-from kvsidecar.errors import BadRequest, InvalidSessionId
+from kvsidecar.errors import BadRequest, InvalidSessionId, KvError
 
 Generation = Literal["a", "b"]
 GENERATIONS: tuple[Generation, Generation] = ("a", "b")
 
 _SESSION_ID = re.compile(r"\A[A-Za-z0-9._:@+\-]{1,128}\Z", re.ASCII)
+# A credential scope: a name of ours (`hook`, `anon`) or a digest of a client's credential (`k` + hex); never
+# client text.
+SCOPE = re.compile(r"\A[a-z][a-z0-9]{0,63}\Z", re.ASCII)
+HOOK_SCOPE = "hook"  # the operator's scope: the hook API's token (and the proxy's, when it has that token)
 _LABEL_MAX = 256
 _NAME_VERSION = "kvsidecar-v1"
 
@@ -49,6 +58,13 @@ def validate_label(kind: str, value: str) -> str:
     return value
 
 
+def validate_scope(scope: str) -> str:
+    """A credential scope is ours (a name, or a digest we made): anything else is a bug upstream."""
+    if not isinstance(scope, str) or not SCOPE.match(scope):
+        raise BadRequest("not a credential scope")
+    return scope
+
+
 def short_id(session_id: str) -> str:
     """What logs show instead of a session id (spec §45): stable, short, not reversible."""
     return xxhash.xxh3_64_hexdigest(session_id.encode())[:8]
@@ -60,13 +76,21 @@ class SnapshotIdentity:
     provider: str
     model: str
     session_id: str
+    scope: str = HOOK_SCOPE  # the credential scope it belongs to (a name of ours or a digest, checked)
+
+    def __post_init__(self) -> None:
+        validate_scope(self.scope)
 
     @functools.cached_property
     def key(self) -> str:
         """The identity's name on disk and in every table: a hash, computed once per identity (the hook path
         reads it several times per call). A frozen dataclass keeps `cached_property` working: it writes the
-        instance's `__dict__`, not through `__setattr__`, and the fields alone decide equality."""
-        parts = (_NAME_VERSION, self.server, self.provider, self.model, self.session_id)
+        instance's `__dict__`, not through `__setattr__`, and the fields alone decide equality. The operator's
+        scope adds nothing (its keys are those of before scopes); another scope is one more part, so no key
+        of a client's scope can equal an operator's key or another scope's (no part can hold a NUL)."""
+        parts: tuple[str, ...] = (_NAME_VERSION, self.server, self.provider, self.model, self.session_id)
+        if self.scope != HOOK_SCOPE:
+            parts += (f"scope={self.scope}",)
         return xxhash.xxh3_128_hexdigest("\0".join(parts).encode())
 
     @property
@@ -101,3 +125,18 @@ def parse_snapshot_name(name: str) -> tuple[str, Generation] | None:
         return None
     gen: Generation = "a" if m.group("gen") == "a" else "b"
     return m.group("key"), gen
+
+
+def managed_key(server: str, *, provider: str, model: str, session_id: str, scope: str) -> str | None:
+    """The key of the identity these name, or None when a label or the id is not one (fleet routing asks
+    before the acquire that refuses them)."""
+    try:
+        validate_label("provider", provider)
+        validate_label("model", model)
+        validate_session_id(session_id)
+        identity = SnapshotIdentity(
+            server=server, provider=provider, model=model, session_id=session_id, scope=scope
+        )
+    except KvError:
+        return None
+    return identity.key

@@ -373,4 +373,5 @@ class SavePlanner:
             updated_at=now,
             last_used_at=now,
             session_seq=session_seq if session_seq is not None else base.session_seq,
+            scope=plan.identity.scope,  # recorded durably: a donor's scope is checked here after a restart
         )

@@ -147,7 +147,7 @@ def test_the_unsaved_mark_is_renewed_after_a_save(table: SessionTable) -> None:
 
 def test_an_arrival_measures_the_think_time_since_the_last_release(table: SessionTable) -> None:
     rt = session(table)
-    assert table.arrived(rt, scope="hook", seq=4, now=5.0) is None  # never released
+    assert table.arrived(rt, seq=4, now=5.0) is None  # never released
     table.released(rt, 10.0)
-    assert table.arrived(rt, scope="abc", seq=None, now=12.5) == 2.5
-    assert (rt.scope, rt.seq, rt.released_at, list(rt.think_s)) == ("abc", 4, None, [2.5])
+    assert table.arrived(rt, seq=None, now=12.5) == 2.5
+    assert (rt.scope, rt.seq, rt.released_at, list(rt.think_s)) == ("hook", 4, None, [2.5])

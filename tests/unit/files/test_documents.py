@@ -151,6 +151,7 @@ NOT_DOCUMENTS = {
     "backend/llamacpp.py": "llama-server's /props and /slots answers (httpx)",
     "backend/llama_http.py": "llama-server's answers, read for their token counts",
     "backend/llama_body.py": "client request bodies, parsed after the proxy's body gate scanned them",
+    "backend/fake_prompts.py": "the fake engine's chat template reading a request body (unit tests)",
     "client/wire.py": "the hook API's answers",
     "http/router.py": "hook API request bodies (pydantic)",
     "demo.py": "llama-server's streamed answer in the demo",

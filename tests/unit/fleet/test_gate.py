@@ -24,7 +24,7 @@ from kvsidecar.fleet.gate import FleetGate, LeaderRetention
 from kvsidecar.metrics import Metrics
 from kvsidecar.retention.job import RetentionJob
 from kvsidecar.store.fence import FenceFiles
-from kvsidecar.store.naming import SnapshotIdentity
+from kvsidecar.store.naming import HOOK_SCOPE, SnapshotIdentity
 from kvsidecar.store.snapshots import SnapshotStore
 from kvsidecar.testing.poll import until
 from tests.fleet_helpers import RedisServer
@@ -163,8 +163,8 @@ async def start_host(
         await host.coordinator.aclose()
 
 
-def key_of(session: str) -> str:
-    return SnapshotIdentity(server="local", provider="local", model="m", session_id=session).key
+def key_of(session: str, scope: str = HOOK_SCOPE) -> str:
+    return SnapshotIdentity(server="local", provider="local", model="m", session_id=session, scope=scope).key
 
 
 def manifest_bytes(tmp_path: Path, key: str) -> bytes | None:

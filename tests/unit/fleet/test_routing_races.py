@@ -33,6 +33,7 @@ from kvsidecar.fleet.plane import HostRecord, awaited
 from kvsidecar.fleet.routing import FleetRouter
 from kvsidecar.metrics import Metrics
 from kvsidecar.proxy.app import Proxy
+from kvsidecar.proxy.conversations import ANONYMOUS
 from kvsidecar.proxy.peers import PeerProxies
 from kvsidecar.retention.job import RetentionJob
 from kvsidecar.retention.plan import Deletion
@@ -96,7 +97,7 @@ async def test_a_proxied_request_for_a_host_that_stopped_is_served_here_once_it_
     completes the handshake, so the client hangs 10 minutes and then gets an error, where the hook API
     serves the same session here after `host_ttl_s`."""
     h1 = await start_host("h1")
-    k = key_of("A")
+    k = key_of("A", ANONYMOUS)  # a proxy client without a credential: its session's key is in that scope
     router = FleetRouter(h1.agent, h1.coordinator, token=None)
     proxy = Proxy(h1.coordinator, h1.coordinator.config, token=None, check_host=False, fleet=lambda: router)
     served_here: list[str] = []

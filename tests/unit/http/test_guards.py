@@ -23,6 +23,7 @@ from kvsidecar.fleet.routing import FleetRouter
 from kvsidecar.http.limits import ListenerState
 from kvsidecar.http.listener import MAX_HEADERS
 from kvsidecar.proxy.app import Proxy
+from kvsidecar.proxy.conversations import ANONYMOUS
 from kvsidecar.testing.poll import until
 from tests.unit.fleet.test_gate import Host, key_of, start_host
 from tests.unit.origin import keep_alive_origin
@@ -392,7 +393,7 @@ async def test_a_peer_proxy_that_is_not_a_kvsidecar_never_answers_the_client(
     try:
         await forge(h1, "h9", proxy_url=other.url)
         await until(lambda: "h9" in h1.agent.hosts, what="h1 to see h9")
-        k = key_of("A")
+        k = key_of("A", ANONYMOUS)  # a proxy client without a credential: its session's key is in that scope
         await h1.agent.client.set(f"t:owner:{k}", "h9|5", px=60_000)
         transport = httpx.ASGITransport(app=proxy)
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:

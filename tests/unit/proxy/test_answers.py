@@ -263,7 +263,7 @@ async def test_an_unexpected_error_is_still_an_openai_error(
     def broken(*_: Any, **__: Any) -> bytes:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("kvsidecar.proxy.app.pin", broken)
+    monkeypatch.setattr("kvsidecar.proxy.outbound.pin", broken)
     async for r in with_engine(tmp_path):
         bug = sdk(r, create(**{"X-Session-Id": "A"}))
         await raises(bug, openai.InternalServerError, 500, "KV_INVARIANT")

@@ -166,7 +166,10 @@ async def test_a_second_conversation_starts_from_the_firsts_kv(r: tuple[Rig, Fak
 async def test_another_credential_never_shares_a_prefix(r: tuple[Rig, FakeKvBackend]) -> None:
     """Without a proxy token of its own the client's key is the scope; here two keys of the proxy's own
     token cannot differ, so the check is on the coordinator: a scoped cold start after another scope's
-    turn erases its slot, and a `prefix_from` of another scope is refused."""
+    turn erases its slot, and a `prefix_from` names a session of its own scope only (another scope's id is
+    another session). Once two scopes ran, llama-server's RAM cache (assumed on: no process is seen) may
+    hold either's KV, so the slot a request of either runs on is empty unless it holds that request's own
+    session's KV, known to be extended (coordinator/scope.py)."""
     rig_, fake = r
     c = rig_.h.coordinator
     first = await c.acquire("A", provider="local", model="m", scope="k1")
@@ -176,9 +179,10 @@ async def test_another_credential_never_shares_a_prefix(r: tuple[Rig, FakeKvBack
     other = await c.acquire("B", provider="local", model="m", scope="k2", prefix_from="A")
     assert "erase" in other.actions and other.shared_tokens is None
     assert fake.slot_tokens(0) == []
-    await c.release(other.lease_id or "", status="aborted")
+    fake.infer(0, [5, 6, 7])
+    await c.release(other.lease_id or "", status="ok", prompt_tokens=3, cached_tokens=0)
     same = await c.acquire("C", provider="local", model="m", scope="k2")
-    assert "erase" not in same.actions  # the same scope as the slot's last user: its KV is kept
+    assert "erase" in same.actions and fake.slot_tokens(0) == []  # B's KV, but the RAM cache is shared now
     await c.release(same.lease_id or "", status="aborted")
 
 
@@ -240,6 +244,29 @@ def test_the_conversation_table_is_per_credential_and_bounded() -> None:
     assert len(table) == 2 and table.get("k1", "s4") is None  # k1, least recently used, was dropped
     assert credential_of({b"authorization": b"Bearer a"}) != credential_of({b"x-api-key": b"Bearer a"})
     assert credential_of({}) == "anon"
+
+
+def test_a_request_is_known_to_extend_its_session_only_when_it_carries_its_last_request_exactly() -> None:
+    """What the scope gate may rely on (coordinator/scope.py): every element of the session's last request,
+    the last one too, then more; never a cut or rewritten last message, a route without messages, a new
+    session or a divergence."""
+    table = ConversationTable()
+
+    def chat(*texts: str) -> Any:
+        msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
+        return normalize("/v1/chat/completions", {"messages": msgs})
+
+    table.record("k1", "s", "m", chat("hi\n\nreminder"))
+    known = table.known_extension
+    assert known("k1", "s", chat("hi\n\nreminder", "yo", "more"), new=False, diverged=None)
+    assert known("k1", "s", chat("hi\n\nreminder"), new=False, diverged=None)  # a retry
+    assert not known("k1", "s", chat("hi", "yo", "more"), new=False, diverged=None)  # cut at a paragraph
+    assert not known("k1", "s", chat("something else"), new=False, diverged=None)  # rewritten in place
+    assert not known("k1", "s", None, new=False, diverged=None)  # /completion, /infill: no messages
+    assert not known("k2", "s", chat("hi\n\nreminder", "yo"), new=False, diverged=None)  # another scope
+    assert not known("k1", "s", chat("hi\n\nreminder", "yo"), new=True, diverged=None)
+    assert not known("k1", "s", chat("hi\n\nreminder", "yo"), new=False, diverged=0)
+    assert not known("k1", None, chat("hi\n\nreminder", "yo"), new=False, diverged=None)
 
 
 async def test_hook_api_prefix_from_restores_the_donors_snapshot_untouched(tmp_path: Path) -> None:

@@ -67,6 +67,11 @@ POISON: list[tuple[str, Poison, str]] = [
     ("NaN time", b"", "MANIFEST_SCHEMA"),  # filled in below: json.dumps writes NaN
     ("current without record", lambda d: d.__setitem__("current", "b"), "MANIFEST_SCHEMA"),
     ("session id with a newline", lambda d: d.__setitem__("session_id", "s1\n"), "MANIFEST_SCHEMA"),
+    # the credential scope is part of the key: a manifest cannot claim another scope for its files
+    ("scope of another credential", lambda d: d.__setitem__("scope", "kabc"), "MANIFEST_KEY_MISMATCH"),
+    ("scope as a path", lambda d: d.__setitem__("scope", "../x"), "MANIFEST_SCHEMA"),
+    ("scope upper case", lambda d: d.__setitem__("scope", "HOOK"), "MANIFEST_SCHEMA"),
+    ("scope as a number", lambda d: d.__setitem__("scope", 1), "MANIFEST_SCHEMA"),
     ("not utf-8", b"\xff\xfe\x00{", "MANIFEST_NOT_JSON"),
     ("truncated", b'{"schema": 1, "key": ', "MANIFEST_NOT_JSON"),
     ("empty", b"", "MANIFEST_NOT_JSON"),
@@ -122,6 +127,29 @@ async def test_one_bad_manifest_is_one_bad_session(
     )
     result = await retention.run()
     assert result["deletions"] == [] and held.exists()
+
+
+def test_the_scope_is_recorded_at_each_save_and_old_manifests_are_the_operators(tmp_path: Path) -> None:
+    """A save records its session's credential scope; a manifest of before scopes were recorded (no
+    `scope`) keeps the operator's key and identity, its scope unknown, and the next save records it."""
+    store, valid = good_manifest(tmp_path)
+    assert valid["scope"] == "hook"
+    client = SnapshotIdentity(server="local", provider="p", model="m", session_id="good", scope="kalice")
+    plan = store.begin_save(client)
+    store.commit_save(plan, server_writes(plan, 20), fingerprint=FP, revision=1)
+    recorded = store.get(client.key)
+    assert recorded is not None and recorded.scope == "kalice" and recorded.identity == client
+    assert client.key != GOOD.key
+    path = store.manifests_dir / f"{ID.key}.json"
+    path.write_text(json.dumps({k: v for k, v in valid.items() if k != "scope"}))
+    again = SnapshotStore(state_dir=store.state_dir, snapshot_dirs=dict(store.snapshot_dirs))
+    again.open()
+    old = again.get(ID.key)
+    assert old is not None and old.scope is None and old.identity == ID
+    plan = again.begin_save(ID)
+    again.commit_save(plan, server_writes(plan, 30), fingerprint=FP, revision=2)
+    saved = again.get(ID.key)
+    assert saved is not None and saved.scope == "hook"
 
 
 def test_a_save_replaces_the_bad_manifest(tmp_path: Path) -> None:

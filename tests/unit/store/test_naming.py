@@ -4,6 +4,7 @@ import pytest
 
 from kvsidecar.errors import BadRequest, InvalidSessionId
 from kvsidecar.store.naming import (
+    HOOK_SCOPE,
     SNAPSHOT_FILE,
     SnapshotIdentity,
     other_generation,
@@ -13,6 +14,19 @@ from kvsidecar.store.naming import (
     validate_label,
     validate_session_id,
 )
+
+
+def test_the_operators_keys_are_those_of_before_scopes_and_every_other_scope_has_its_own() -> None:
+    """The hook API's snapshots survive the upgrade that made the credential scope part of a session's
+    identity: their keys are unchanged (pinned here); one session id under two credentials is two keys."""
+    hook = ident()
+    assert hook.scope == HOOK_SCOPE
+    assert hook.key == "36b4291289adbab9d0a3262ffa64b031"  # the key it had before scopes
+    keys = {hook.key, ident(scope="kalice").key, ident(scope="kbob").key, ident(scope="anon").key}
+    assert len(keys) == 4
+    for bad in ("", "K", "k-x", "../x", "hook\n", "a" * 65, "k\x00"):
+        with pytest.raises(BadRequest):
+            ident(scope=bad)
 
 
 def ident(**kw: str) -> SnapshotIdentity:
