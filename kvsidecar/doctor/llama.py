@@ -1,7 +1,9 @@
 """Doctor's checks of the llama-server process and what it runs: recent crashes (SIGILL/SIGSEGV: a build
 this CPU cannot run), the flags that decide whether a restore is reused (`--kv-unified` with idle-slot
-caching, `--swa-full` for a sliding-window model, the RAM prompt cache), whether the loaded model can be
-proven across a restart, and whether snapshots survive a llama.cpp upgrade."""
+caching, `--swa-full` for a sliding-window model, the RAM prompt cache), the model's memory class (a
+hybrid or recurrent model's restore is reused only by an exact extension), whether the loaded model can be
+proven across a restart, and whether snapshots survive a llama.cpp upgrade. The process is llama-server
+or llama.cpp's unified binary running it (`llama serve`)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from kvsidecar.doctor.report import DoctorReport
 from kvsidecar.fingerprint.gguf_meta import GgufError, read_metadata, sliding_window
 from kvsidecar.fingerprint.llama_exit import crash_hint, unit_of
 from kvsidecar.fingerprint.llama_process import ProcessInfo
-from kvsidecar.fingerprint.model_files import model_proof
+from kvsidecar.fingerprint.memory_class import HYBRID, RECURRENT, UNKNOWN, model_class
+from kvsidecar.fingerprint.model_files import model_paths, model_proof
+from kvsidecar.fingerprint.process_files import ProcessFiles
 from kvsidecar.store.state_format import KNOWN_VERSIONS as STATE_VERSIONS
 
 # Reads the signals that killed llama-server lately, and where they were read, for a systemd unit.
@@ -66,12 +70,13 @@ def process_checks(
     report.add(
         "llama-server process",
         "OK",
-        f"pid {process.pid}; cache k/v {flags.get('cache_type_k', 'f16')}/"
+        f"pid {process.pid} ({process.program}); cache k/v {flags.get('cache_type_k', 'f16')}/"
         f"{flags.get('cache_type_v', 'f16')}, flash-attn {flags.get('flash_attn', 'auto')}, "
         f"kv-unified {flags.get('kv_unified', 'off')} (all part of the snapshot fingerprint)",
     )
     _model_identity(report, caps, process)
     _swa(report, caps, flags)
+    _memory(report, caps, process)
     if flags.get("kv_unified") == "on" and flags.get("no_cache_idle_slots") != "on":
         report.add(
             "idle slot cache",
@@ -108,6 +113,37 @@ def _swa(report: DoctorReport, caps: BackendCapabilities, flags: dict[str, str])
             "answers 200 and the engine then recomputes everything",
             "add --swa-full to llama-server",
         )
+
+
+def _memory(report: DoctorReport, caps: BackendCapabilities, process: ProcessInfo) -> None:
+    """A hybrid or recurrent model: what a restore can give (read from the model files and the settings)."""
+    if not caps.model_path:
+        return
+    files = ProcessFiles(None, process)
+    local = [files.local(p) for p in model_paths(caps.model_path)]
+    if None in local:
+        report.add("model memory", "SKIP", "the model's path cannot be resolved as llama-server sees it")
+        return
+    c = model_class([Path(p) for p in local if p is not None], process.settings)
+    if c.kind == UNKNOWN:
+        report.add("model memory", "SKIP", f"cannot tell the model's memory class: {c.why}")
+        return
+    if c.kind not in (HYBRID, RECURRENT):
+        return
+    ckpt = c.checkpoints
+    report.add(
+        "model memory",
+        "WARN",
+        f"{c.kind} model ({c.arch}: {c.recurrent_layers} {c.recurrent_kind} layers, {c.attention_layers} "
+        "attention layers): llama-server reuses a restored state only when the next prompt extends every "
+        "saved token; any divergence recomputes the whole prompt"
+        + (
+            f"; resident, it falls back to its {ckpt.max_per_slot} context checkpoints per slot"
+            if ckpt is not None and ckpt.made
+            else ""
+        ),
+        "keep --cache-ram on (its RAM cache keeps checkpoints); see docs/MODELS.md",
+    )
 
 
 def upgrade_check(report: DoctorReport, config: Config, server: str, version: int | None) -> None:
