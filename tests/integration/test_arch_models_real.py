@@ -5,6 +5,7 @@ and a restored state continues exactly as the resident one does where llama-serv
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -136,3 +137,18 @@ def test_gemma3_270m_is_a_sliding_window_model_and_its_file_parses(
     base, window = layout.kv_parts
     assert (base[0].n_layer, base[0].cell_count) == (3, 601)
     assert (window[0].n_layer, window[0].cell_count) == (15, 512)
+
+
+@pytest.mark.parametrize(("flags", "cells"), [((), 768), (("--swa-full",), 2048)])
+def test_llama_server_sees_the_generated_window(
+    start_llama: StartServer, llama_bin: Path, flags: tuple[str, ...], cells: int
+) -> None:
+    """Its log (at -lv 4) prints the window; the SWA layers' cache holds the window and a ubatch, padded to
+    256 (768 cells), or the whole context with --swa-full."""
+    server = start_llama(
+        model=_model(llama_bin, "gemma3-swa"), ctx_size=2048, extra_args=("-lv", "4", *flags), save=False
+    )
+    log = server.log_path.read_text(errors="replace")
+    assert re.search(r"n_swa\s+= 128\b", log), server.log_tail()
+    assert re.search(rf"creating\s+SWA KV cache, size = {cells} cells", log), server.log_tail()
+    assert re.search(r"llama_kv_cache: size = .*\(\s*2048 cells,\s+1 layers", log)  # the one global layer
