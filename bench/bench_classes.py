@@ -84,13 +84,29 @@ class Bench:
         return [int(t) for t in toks[:n]]
 
     def complete(self, prompt: list[int]) -> dict[str, Any]:
-        body = {"prompt": prompt, "n_predict": 4, "temperature": 0, "cache_prompt": True, "id_slot": 0}
+        body = {
+            "prompt": prompt,
+            "n_predict": 4,
+            "temperature": 0,
+            "cache_prompt": True,
+            "id_slot": 0,
+            "n_probs": 5,
+        }
         t0 = time.perf_counter()
         r = self.http.post("/completion", json=body)
         if r.status_code != 200:
             raise RuntimeError(f"/completion answered {r.status_code}: {r.text[:300]}")
-        t = r.json()["timings"]
-        return {"cache_n": t["cache_n"], "prompt_n": t["prompt_n"], "s": round(time.perf_counter() - t0, 2)}
+        answer = r.json()
+        t = answer["timings"]
+        probs = answer.get("completion_probabilities") or [{}]
+        top = [[int(p["id"]), float(p["logprob"])] for p in probs[0].get("top_logprobs", [])]
+        return {
+            "cache_n": t["cache_n"],
+            "prompt_n": t["prompt_n"],
+            "s": round(time.perf_counter() - t0, 2),
+            "content": answer.get("content", ""),
+            "top5": top,  # the first generated token's five most likely tokens and their log-probabilities
+        }
 
     def action(self, action: str, filename: str | None = None) -> dict[str, Any]:
         body = {} if filename is None else {"filename": filename}
@@ -189,7 +205,23 @@ def _run(b: Bench, kinds: tuple[str, ...], model: Path) -> dict[str, Any]:
                 out["bytes_per_token"] = round(per, 1)
                 out["fixed_bytes"] = round(path.stat().st_size - per * len(saved))
         out["cases"][kind] = rows
+    _compare(out["cases"])
     return out
+
+
+def _compare(cases: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """For each restored and switched row: does its next prompt continue as the resident run's does (the
+    same five most likely first tokens, and how far apart their log-probabilities are)?"""
+    resident = cases.get("resident", {})
+    for kind in ("restored", "switched"):
+        for case, row in cases.get(kind, {}).items():
+            ref = resident.get(case)
+            if ref is None:
+                continue
+            mine, theirs = dict(map(tuple, row["top5"])), dict(map(tuple, ref["top5"]))
+            row["same_top5_as_resident"] = [i for i, _ in row["top5"]] == [i for i, _ in ref["top5"]]
+            common = set(mine) & set(theirs)
+            row["max_logprob_diff"] = round(max((abs(mine[i] - theirs[i]) for i in common), default=99.0), 6)
 
 
 CASE_LABELS = {
@@ -206,19 +238,85 @@ KIND_LABELS = {
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """The markdown table of docs/MODELS.md: `cache_n` per case, one column per model and RAM setting."""
-    cols = [(r["model"], r["ram"]) for r in results]
+    """docs/MODELS.md's tables: `cache_n` per next prompt (rows) and model (columns), one table per kind;
+    restored and resident under --cache-ram 0, switched under the default RAM cache (with --cache-ram 0
+    it is 0 everywhere). Where the other RAM setting measured something else, both are shown."""
+    models = list(dict.fromkeys(r["model"] for r in results))
     by = {(r["model"], r["ram"]): r for r in results}
-    head = "| next prompt | " + " | ".join(f"{m}, cache-ram {ram}" for m, ram in cols) + " |"
-    lines = [head, "|---" * (len(cols) + 1) + "|"]
-    for kind in KINDS:
-        lines.append(f"| **{KIND_LABELS[kind]}** |" + " |" * len(cols))
+    out = []
+    for kind, ram, other in (
+        ("restored", "0", "default"),
+        ("resident", "0", "default"),
+        ("switched", "default", "0"),
+    ):
+        out.append(f"**{KIND_LABELS[kind]}**, `--cache-ram {ram}`\n")
+        out.append("| next prompt | " + " | ".join(models) + " |")
+        out.append("|---" + "|---:" * len(models) + "|")
         for case in CASES:
             cells = []
-            for col in cols:
-                row = by[col]["cases"].get(kind, {}).get(case)
-                cells.append("—" if row is None else f"{row['cache_n']:,}")
-            lines.append(f"| {CASE_LABELS[case]} | " + " | ".join(cells) + " |")
+            for m in models:
+                row = by.get((m, ram), {}).get("cases", {}).get(kind, {}).get(case)
+                alt = by.get((m, other), {}).get("cases", {}).get(kind, {}).get(case)
+                cell = "—" if row is None else f"{row['cache_n']:,}"
+                if (
+                    row is not None
+                    and alt is not None
+                    and alt["cache_n"] != row["cache_n"]
+                    and kind != "switched"
+                ):
+                    cell += f" ({alt['cache_n']:,} with `--cache-ram {other}`)"
+                cells.append(cell)
+            out.append(f"| {CASE_LABELS[case]} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def diffs_table(results: list[dict[str, Any]]) -> str:
+    """After a restore (`--cache-ram 0`): tokens reused, and the largest difference between the first
+    generated token's top-5 log-probabilities and the resident slot's (`*`: another top-5 order)."""
+    lines = [
+        "| model | " + " | ".join(CASE_LABELS[c] for c in CASES) + " |",
+        "|---" + "|---:" * len(CASES) + "|",
+    ]
+    for r in results:
+        if r["ram"] != "0" or "resident" not in r["cases"]:
+            continue
+        cells = []
+        for case in CASES:
+            row = r["cases"]["restored"][case]
+            mark = "" if row.get("same_top5_as_resident", True) else " *"
+            cells.append(f"{row['cache_n']:,}: {row['max_logprob_diff']:.4f}{mark}")
+        lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def layouts_table(results: list[dict[str, Any]]) -> str:
+    """The saved file of each model at 4,003 tokens, as kvsidecar's parser reads it."""
+    lines = [
+        "| model | sections | KV cells x layers (bytes a cell) | recurrent state | file | bytes a token | fixed |",
+        "|---|---|---|---|---:|---:|---:|",
+    ]
+    seen = set()
+    for r in results:
+        f = r["file"]
+        if r["ram"] != "0" or r["model"].replace(" --swa-full", "") in seen:
+            continue
+        seen.add(r["model"].replace(" --swa-full", ""))
+        kv = "; ".join(
+            f"{s['cells']:,} x {s['layers']} ({s['bytes_per_cell']:,} B, positions {s['positions'][0]:,}-{s['positions'][1]:,})"
+            for part in f["kv"]
+            for s in part
+        )
+        rec = f["recurrent"]
+        state = (
+            "—"
+            if rec is None
+            else f"{rec['layers']} layers x ({rec['r_row']:,} + {rec['s_row']:,} B) = {rec['bytes']:,} B"
+        )
+        lines.append(
+            f"| {r['model']} | {' + '.join(f['parts'])} | {kv} | {state} | {f['size']:,} | "
+            f"{r['bytes_per_token']:,.0f} | {r['fixed_bytes']:,} |"
+        )
     return "\n".join(lines)
 
 
@@ -233,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", action="store_true", help="print --out's table (markdown) and stop")
     args = parser.parse_args(argv)
     if args.table:
-        print(table(json.loads((RESULTS / f"{args.out}.json").read_text())["results"]))
+        done = json.loads((RESULTS / f"{args.out}.json").read_text())["results"]
+        print(table(done), diffs_table(done), layouts_table(done), sep="\n\n")
         return 0
     binary = llama_server_binary()
     models = _models(binary)
@@ -266,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                 ram,
                 {k: {c: r["cache_n"] for c, r in v.items()} for k, v in run["cases"].items()},
             )
-    path = write(args.out, {"prompt_tokens": 4000, "new_tokens": NEW, "results": results})
-    print(path)
+            # after each run: a long benchmark that stops keeps what it measured
+            print(write(args.out, {"prompt_tokens": 4000, "new_tokens": NEW, "results": results}))
     return 0
 
 
