@@ -1,9 +1,7 @@
 """Doctor's checks of the llama-server process and what it runs: recent crashes (SIGILL/SIGSEGV: a build
 this CPU cannot run), the flags that decide whether a restore is reused (`--kv-unified` with idle-slot
-caching, `--swa-full` for a sliding-window model, the RAM prompt cache), the model's memory class (a
-hybrid or recurrent model's restore is reused only by an exact extension), whether the loaded model can be
-proven across a restart, and whether snapshots survive a llama.cpp upgrade. The process is llama-server
-or llama.cpp's unified binary running it (`llama serve`)."""
+caching, `--swa-full` for a sliding-window model, the RAM prompt cache), whether the loaded model can be
+proven across a restart, and whether snapshots survive a llama.cpp upgrade."""
 
 from __future__ import annotations
 
@@ -116,7 +114,9 @@ def _swa(report: DoctorReport, caps: BackendCapabilities, flags: dict[str, str])
 
 
 def _memory(report: DoctorReport, caps: BackendCapabilities, process: ProcessInfo) -> None:
-    """A hybrid or recurrent model: what a restore can give (read from the model files and the settings)."""
+    """The model's memory class (read from its files and the settings): a hybrid or recurrent model's
+    restore is reused only by a prompt that extends every saved token. (The process is llama-server, or
+    llama.cpp's unified binary running it, `llama serve`.)"""
     if not caps.model_path:
         return
     files = ProcessFiles(None, process)

@@ -127,8 +127,7 @@ def parse_kmsg(text: str, pid: int) -> str | None:
     return found
 
 
-# llama-server, or llama.cpp's unified binary running it (`llama serve`: its comm is `llama`)
-_COMM_PID_RE = re.compile(r"(?<![\w.-])llama(?:-server)?\[(\d+)\]")
+_COMM_PID_RE = re.compile(r"\bllama-server\[(\d+)\]")
 
 
 def parse_kmsg_crashes(text: str, *, since_us: int | None = None) -> list[tuple[int, str]]:

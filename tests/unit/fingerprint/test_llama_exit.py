@@ -55,16 +55,6 @@ def test_kernel_log_lines_name_the_signal_of_a_pid() -> None:
     assert parse_kmsg_crashes(KMSG, since_us=5_050_000) == [(4243, "SIGILL")]  # older records left out
 
 
-def test_the_unified_binary_running_the_server_is_llama_server_too() -> None:
-    """`llama serve` runs with the comm `llama`: its crashes count, other programs' still do not."""
-    kmsg = (
-        "6,1301,6000000,-;traps: llama[5001] trap invalid opcode ip:7f12 sp:7ffd error:0 in libggml-cpu.so\n"
-        "6,1302,6100000,-;traps: my-llama[5002] trap invalid opcode ip:1 sp:2 error:0\n"
-        "6,1303,6200000,-;traps: ollama[5003] trap invalid opcode ip:1 sp:2 error:0\n"
-    )
-    assert parse_kmsg_crashes(KMSG + kmsg) == [(4242, "SIGSEGV"), (4243, "SIGILL"), (5001, "SIGILL")]
-
-
 def test_journal_lines_name_each_exit() -> None:
     assert parse_journal(JOURNAL) == ["SIGILL", "SIGSEGV", None]
     assert parse_journal("nothing here\n") == []
