@@ -273,7 +273,8 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def diffs_table(results: list[dict[str, Any]]) -> str:
     """After a restore (`--cache-ram 0`): tokens reused, and the largest difference between the first
-    generated token's top-5 log-probabilities and the resident slot's (`*`: another top-5 order)."""
+    generated token's top-5 log-probabilities and the resident slot's (`*`: another top-5 order; `†`:
+    another generated text, at temperature 0)."""
     lines = [
         "| model | " + " | ".join(CASE_LABELS[c] for c in CASES) + " |",
         "|---" + "|---:" * len(CASES) + "|",
@@ -285,6 +286,8 @@ def diffs_table(results: list[dict[str, Any]]) -> str:
         for case in CASES:
             row = r["cases"]["restored"][case]
             mark = "" if row.get("same_top5_as_resident", True) else " *"
+            if row["content"] != r["cases"]["resident"][case]["content"]:
+                mark += " †"
             cells.append(f"{row['cache_n']:,}: {row['max_logprob_diff']:.4f}{mark}")
         lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
