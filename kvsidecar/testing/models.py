@@ -26,10 +26,12 @@ from typing import Any
 
 import xxhash
 
-# cache_root, _vocab_file and _copy_tokenizer are shared with the other generators; kept importable here
-from kvsidecar.testing.model_cache import cache_root
-from kvsidecar.testing.model_cache import copy_tokenizer as _copy_tokenizer
-from kvsidecar.testing.model_cache import vocab_file as _vocab_file
+from kvsidecar.testing.model_cache import cache_root as cache_root
+from kvsidecar.testing.model_cache import copy_tokenizer, vocab_file
+
+# shared with the other generators (model_cache); kept importable here under the names they had
+_copy_tokenizer = copy_tokenizer
+_vocab_file = vocab_file
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -87,4 +87,3 @@ def test_both_spellings_on_one_port_are_not_trusted(processes: list[_Fake]) -> N
     processes.append(_Fake(["/usr/bin/llama-server", "--port", "8093"], "llama-server", {}))
     processes.append(_Fake(["/opt/llama/llama", "serve", "--port", "8093"], "llama", {}))
     assert find_llama_process("http://127.0.0.1:8093") is None
-
