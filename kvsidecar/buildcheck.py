@@ -11,6 +11,7 @@ rebuilt) and by `kvsidecar doctor` (the same check on a user's own binary). Stan
 build script can run it with any Python 3.11.
 
     python -m kvsidecar.buildcheck smoke BINARY MODEL    # exit 0: decoded; 1: failed (the reason on stderr)
+    python -m kvsidecar.buildcheck smoke llama MODEL --subcommand serve   # llama.cpp's unified binary
     python -m kvsidecar.buildcheck cpu-key               # what the build cache is keyed by on this machine
     python -m kvsidecar.buildcheck isa-flags             # GGML_* CMake options for this CPU, AMX left out
 """
@@ -35,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Bumped when the build recipes change, so that every cached build is rebuilt under the new ones.
-RECIPE_VERSION = "2"
+# 3: the unified binary (`llama`, llama.cpp's llama-app target) is built and cached beside llama-server.
+RECIPE_VERSION = "3"
 
 # The CPU features a ggml CPU build can be compiled for; the ones that decide whether a cached build is valid.
 _ISA_PREFIXES = ("sse", "ssse3", "avx", "amx", "fma", "f16c", "bmi", "vnni", "vbmi", "vpopcnt", "gfni", "sha")
@@ -147,10 +149,13 @@ def smoke_decode(
     timeout_s: float = 180.0,
     threads: int | None = None,
     extra_args: tuple[str, ...] = (),
+    subcommand: str | None = None,
 ) -> SmokeResult:
-    """Start `binary` on `model`, wait for its warm-up decode, run one completion, stop it."""
+    """Start `binary` on `model`, wait for its warm-up decode, run one completion, stop it. `subcommand`:
+    the server's subcommand of a multi-tool binary (`llama serve`)."""
     port = _free_port()
-    cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [str(binary), *([subcommand] if subcommand else [])]
+    cmd += ["-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["-c", "1024", "--parallel", "1", "--no-webui", *extra_args]
     if threads is not None:
         cmd += ["-t", str(threads)]
@@ -266,6 +271,7 @@ def _main(argv: list[str] | None = None) -> int:
     smoke.add_argument("binary")
     smoke.add_argument("model")
     smoke.add_argument("--timeout", type=float, default=180.0)
+    smoke.add_argument("--subcommand", choices=["serve", "server"], help="for llama.cpp's unified binary")
     sub.add_parser("cpu-key", help="the build cache key for this machine")
     sub.add_parser("isa-flags", help="GGML_* CMake options for this CPU (AMX off)")
     args = parser.parse_args(argv)
@@ -276,7 +282,7 @@ def _main(argv: list[str] | None = None) -> int:
     if args.command == "isa-flags":
         print(" ".join(isa_cmake_options(flags)))
         return 0
-    result = smoke_decode(args.binary, args.model, timeout_s=args.timeout)
+    result = smoke_decode(args.binary, args.model, timeout_s=args.timeout, subcommand=args.subcommand)
     if result.ok:
         print(f"smoke: {result.detail}")
         return 0

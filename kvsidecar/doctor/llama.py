@@ -17,7 +17,9 @@ from kvsidecar.fingerprint.gguf_meta import GgufError, read_metadata, sliding_wi
 from kvsidecar.fingerprint.llama_crashes import CrashRecord, CrashScope
 from kvsidecar.fingerprint.llama_exit import crash_hint
 from kvsidecar.fingerprint.llama_process import ProcessInfo
-from kvsidecar.fingerprint.model_files import model_proof
+from kvsidecar.fingerprint.memory_class import HYBRID, RECURRENT, UNKNOWN, model_class
+from kvsidecar.fingerprint.model_files import model_paths, model_proof
+from kvsidecar.fingerprint.process_files import ProcessFiles
 from kvsidecar.store.state_format import KNOWN_VERSIONS as STATE_VERSIONS
 
 # Reads the configured server's recent crashes (its processes, its units) and what their records say.
@@ -80,12 +82,13 @@ def process_checks(
     report.add(
         "llama-server process",
         "OK",
-        f"pid {process.pid}; cache k/v {flags.get('cache_type_k', 'f16')}/"
+        f"pid {process.pid} ({process.program}); cache k/v {flags.get('cache_type_k', 'f16')}/"
         f"{flags.get('cache_type_v', 'f16')}, flash-attn {flags.get('flash_attn', 'auto')}, "
         f"kv-unified {flags.get('kv_unified', 'off')} (all part of the snapshot fingerprint)",
     )
     _model_identity(report, caps, process)
     _swa(report, caps, flags)
+    _memory(report, caps, process)
     if flags.get("kv_unified") == "on" and flags.get("no_cache_idle_slots") != "on":
         report.add(
             "idle slot cache",
@@ -122,6 +125,39 @@ def _swa(report: DoctorReport, caps: BackendCapabilities, flags: dict[str, str])
             "answers 200 and the engine then recomputes everything",
             "add --swa-full to llama-server",
         )
+
+
+def _memory(report: DoctorReport, caps: BackendCapabilities, process: ProcessInfo) -> None:
+    """The model's memory class (read from its files and the settings): a hybrid or recurrent model's
+    restore is reused only by a prompt that extends every saved token. (The process is llama-server, or
+    llama.cpp's unified binary running it, `llama serve`.)"""
+    if not caps.model_path:
+        return
+    files = ProcessFiles(None, process)
+    local = [files.local(p) for p in model_paths(caps.model_path)]
+    if None in local:
+        report.add("model memory", "SKIP", "the model's path cannot be resolved as llama-server sees it")
+        return
+    c = model_class([Path(p) for p in local if p is not None], process.settings)
+    if c.kind == UNKNOWN:
+        report.add("model memory", "SKIP", f"cannot tell the model's memory class: {c.why}")
+        return
+    if c.kind not in (HYBRID, RECURRENT):
+        return
+    ckpt = c.checkpoints
+    report.add(
+        "model memory",
+        "WARN",
+        f"{c.kind} model ({c.arch}: {c.recurrent_layers} {c.recurrent_kind} layers, {c.attention_layers} "
+        "attention layers): llama-server reuses a restored state only when the next prompt extends every "
+        "saved token; any divergence recomputes the whole prompt"
+        + (
+            f"; resident, it falls back to its {ckpt.max_per_slot} context checkpoints per slot"
+            if ckpt is not None and ckpt.made
+            else ""
+        ),
+        "keep --cache-ram on (its RAM cache keeps checkpoints); see docs/MODELS.md",
+    )
 
 
 def upgrade_check(report: DoctorReport, config: Config, server: str, version: int | None) -> None:

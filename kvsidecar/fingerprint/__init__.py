@@ -8,5 +8,5 @@ the local llama-server process. Each module owns one part; import a name from it
 - `file_digests`: whole-file digests and their cache; `records`: the saved fingerprints' components;
 - `llama_process`, `llama_settings`, `llama_args`: the process, its settings, llama-server's option table;
 - `llama_exit`: why the process went away; `savepath`: whether it saves where kvsidecar looks;
-- `gguf_meta`: a model's GGUF metadata keys.
+- `gguf_meta`: a model's GGUF metadata keys and tensor names; `memory_class`: the kind of memory it has.
 """

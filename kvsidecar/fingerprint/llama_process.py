@@ -1,6 +1,9 @@
 """The local llama-server process: found by the port it serves, and what can be read about it.
 
-`find_llama_process` matches a llama-server process on this host to a base URL (psutil). Its
+`find_llama_process` matches a llama-server process on this host to a base URL (psutil): `llama-server`,
+or llama.cpp's unified binary running the same server (`llama serve ...`, alias `server`: its comm is
+`llama`, and a router that is that binary starts its children so, with `LLAMA_APP_CMD=serve` in their
+environment). Its
 `ProcessInfo` holds what the fingerprint needs: the command line and the llama.cpp-relevant part of its
 environment (secrets left out; None when unreadable), its working directory and root (a container's files
 are read through /proc/<pid>/root), a path to the binary it runs (/proc/<pid>/exe, which reads the file
@@ -18,7 +21,7 @@ import contextlib
 import logging
 import os
 import pwd
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -29,6 +32,7 @@ import psutil
 from kvsidecar.fingerprint.file_digests import file_identity
 from kvsidecar.fingerprint.llama_args import BY_ENV
 from kvsidecar.fingerprint.llama_settings import (
+    SERVER_SUBCOMMANDS,
     RuntimeSettings,
     fingerprinted_env,
     legacy_flags,
@@ -87,6 +91,8 @@ class ProcessInfo:
     config_files: tuple[str, ...] = ()  # llama.cpp config files it reads at start (present or not)
     # files mapped like a model (shared, read-only, not code): None when /proc/<pid>/maps is unreadable
     mapped_models: tuple[MappedFile, ...] | None = None
+    # how it runs the server: `llama-server`, or llama.cpp's unified binary (`llama serve`)
+    program: str = "llama-server"
 
     @property
     def identity(self) -> tuple[int, float]:
@@ -102,6 +108,24 @@ class ProcessInfo:
         return parse_settings(self.cmdline, self.environ)
 
 
+def server_program(cmdline: Sequence[str], name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """`llama-server` or `llama serve`/`llama server` when this command line (and process name, `comm`)
+    runs llama.cpp's server; None otherwise. The unified binary runs the server only as its `serve`
+    subcommand; where the first argument was rewritten, `LLAMA_APP_CMD=serve` in its environment says so."""
+    if not cmdline:
+        return None
+    program = os.path.basename(cmdline[0])
+    if "llama-server" in program + name:
+        return "llama-server"
+    if "llama" not in program + name:
+        return None
+    if len(cmdline) > 1 and cmdline[1] in SERVER_SUBCOMMANDS:
+        return f"llama {cmdline[1]}"
+    if environ is not None and environ.get("LLAMA_APP_CMD") == "serve":
+        return "llama serve"
+    return None
+
+
 def _is_local(host: str) -> bool:
     return host in {"127.0.0.1", "localhost", "::1", "0.0.0.0", "::", ""} or host.startswith("127.")
 
@@ -111,7 +135,7 @@ def _relevant_environ(proc: psutil.Process) -> dict[str, str] | None:
         environ = proc.environ()
     except (psutil.Error, OSError):
         return None
-    keep = {"HOME", "XDG_CONFIG_HOME"}
+    keep = {"HOME", "XDG_CONFIG_HOME", "LLAMA_APP_CMD"}
     return {
         k: v
         for k, v in environ.items()
@@ -226,7 +250,11 @@ def _config_files(proc: psutil.Process, environ: Mapping[str, str] | None) -> tu
 
 
 def _process_info(
-    proc: psutil.Process, info: dict[str, Any], environ: dict[str, str] | None, settings: RuntimeSettings
+    proc: psutil.Process,
+    info: dict[str, Any],
+    environ: dict[str, str] | None,
+    settings: RuntimeSettings,
+    program: str,
 ) -> ProcessInfo:
     cwd = None
     with contextlib.suppress(psutil.Error, OSError):
@@ -248,6 +276,7 @@ def _process_info(
         libraries=_mapped_libraries(maps),
         config_files=_config_files(proc, environ),
         mapped_models=None if maps is None else _parse_mapped(maps, pid, root),
+        program=program,
     )
 
 
@@ -261,16 +290,20 @@ def find_llama_process(base_url: str) -> ProcessInfo | None:
     if not _is_local(parts.hostname or ""):
         return None
     want_port = str(parts.port or (443 if parts.scheme == "https" else 80))
-    found: list[tuple[psutil.Process, dict[str, Any], dict[str, str] | None, RuntimeSettings]] = []
+    found: list[tuple[psutil.Process, dict[str, Any], dict[str, str] | None, RuntimeSettings, str]] = []
     for proc in psutil.process_iter(["pid", "name", "cmdline", "create_time", "exe"]):
         info = proc.info
         cmdline = info.get("cmdline") or []
-        if not cmdline or "llama-server" not in os.path.basename(cmdline[0]) + (info.get("name") or ""):
+        name = info.get("name") or ""
+        if not cmdline or "llama" not in os.path.basename(cmdline[0]) + name:
             continue
         environ = _relevant_environ(proc)
+        program = server_program(cmdline, name, environ)
+        if program is None:
+            continue
         settings = parse_settings(cmdline, environ)
         if (settings.effective("port") or "8080") == want_port:
-            found.append((proc, info, environ, settings))
+            found.append((proc, info, environ, settings, program))
     if len(found) != 1:
         if found:
             log.debug("several llama-server processes on port %s: none trusted", want_port)

@@ -13,6 +13,10 @@ changed between llama.cpp versions does not shift the parsing of the rest. Stray
 
 Besides `LLAMA_ARG_*`, the other llama.cpp/ggml variables (`LLAMA_*`, `GGML_*`, `MTMD_*`,
 `*_VISIBLE_DEVICES`, ...) are collected, except a few harmless ones (`fingerprinted_env`).
+
+llama.cpp's unified binary runs the same server as `llama serve ...` (alias `server`; a router starts its
+children so when it is that binary): the subcommand is not a setting, and the settings are read past it
+(`server_args`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,13 @@ from kvsidecar.fingerprint.llama_args import BY_ENV, BY_NAME, LlamaOption
 # Environment variables outside the option table that are fingerprinted, and the harmless ones among them.
 _ENV_PREFIXES = ("LLAMA_", "GGML_", "MTMD_")
 _ENV_NAMES = frozenset({"ONEAPI_DEVICE_SELECTOR", "GPU_DEVICE_ORDINAL"})
-_HARMLESS_ENV = frozenset({"LLAMA_CACHE", "LLAMA_TRACE", "LLAMA_MEDIA_MARKER", "GGML_NO_BACKTRACE"})
+# LLAMA_APP_CMD: the unified binary's subcommand, set by the binary itself so that a router's children are
+# started with it (`llama serve`); it names the server, and changes nothing it computes
+_HARMLESS_ENV = frozenset(
+    {"LLAMA_CACHE", "LLAMA_TRACE", "LLAMA_MEDIA_MARKER", "GGML_NO_BACKTRACE", "LLAMA_APP_CMD"}
+)
+# The unified binary's subcommands that run llama-server (app/llama.cpp: "serve", alias "server")
+SERVER_SUBCOMMANDS = frozenset({"serve", "server"})
 _SECRET_OPTIONS = frozenset({"api-key", "hf-token"})
 
 _TRUTHY = frozenset({"on", "enabled", "true", "1"})
@@ -89,10 +99,19 @@ def _take_values(opt: LlamaOption, inline: str | None, args: Sequence[str], i: i
     return " ".join(values), i
 
 
-def parse_cmdline(argv: Sequence[str]) -> list[tuple[str, str]]:
-    """(canonical key, value) for each setting on a llama-server command line (argv[0] skipped), in order."""
-    out: list[tuple[str, str]] = []
+def server_args(argv: Sequence[str]) -> list[str]:
+    """The server's own arguments: argv[1:], past the subcommand of llama.cpp's unified binary
+    (`llama serve -m ...`). llama-server itself takes no positional argument, so a running server whose
+    first argument is `serve` or `server` is the unified binary's."""
     args = list(argv[1:])
+    return args[1:] if args and args[0] in SERVER_SUBCOMMANDS else args
+
+
+def parse_cmdline(argv: Sequence[str]) -> list[tuple[str, str]]:
+    """(canonical key, value) for each setting on a llama-server command line (argv[0] skipped, and the
+    `serve` of `llama serve`), in order."""
+    out: list[tuple[str, str]] = []
+    args = server_args(argv)
     i = 0
     while i < len(args):
         token = args[i]

