@@ -344,6 +344,7 @@ class Coordinator:
         prompt_tokens: int | None = None,
         cached_tokens: int | None = None,
         prompt_ms: float | None = None,
+        held_tokens: int | None = None,
     ) -> dict[str, Any]:
         return await self.acquirer.release(
             lease_id,
@@ -351,6 +352,7 @@ class Coordinator:
             prompt_tokens=prompt_tokens,
             cached_tokens=cached_tokens,
             prompt_ms=prompt_ms,
+            held_tokens=held_tokens,
         )
 
     def renew(self, lease_id: str) -> None:

@@ -339,7 +339,8 @@ class Proxy:
     ) -> None:
         """Pin the request to the lease's slot, forward it, release the lease with llama-server's numbers."""
         assert lease.lease_id is not None and lease.slot_id is not None
-        release = Release(self.coordinator, lease.lease_id)
+        turn = self.sessions.begin(call)  # the table knows the turn before its answer can end
+        release = Release(self.coordinator, lease.lease_id, held=self.sessions.held(call, lease.slot_id))
         status, timings = "aborted", None
         try:
             body, pinned, convert = self._pinned(call, lease.slot_id)
@@ -357,8 +358,7 @@ class Proxy:
             )
         finally:
             await release(status, timings)  # a no-op when the pump already released at the answer's end
-        if status == "ok" and call.session is not None:
-            self.sessions.after_turn(call, lease, release)
+            self.sessions.end(call, turn, release.status or status, lease, release)
 
     @staticmethod
     def _pinned(call: SlotCall, slot_id: int) -> tuple[bytes, bool, Convert | None]:
