@@ -6,10 +6,18 @@ Three uses (docs/CLIENTS.md):
 - *content identity*: a request that names no session continues the conversation of its credential whose
   messages it extends (`kvsidecar.proxy.client_content`), else starts a new one (`c:<digest>`);
 - *divergence*: a turn of a known session whose messages do not extend its last request is reported
-  (`PROMPT_DIVERGED`, the message index), and run as auxiliary when it is a side request (much shorter, or
-  without the tools: a title or summary that a client sent under the conversation's id);
+  (`PROMPT_DIVERGED`, the message index), and run as auxiliary when it is a side request (much shorter,
+  without the tools, or `from_elsewhere`: its message 0 is not the conversation's and it does not carry the
+  conversation after it: a title or summary that a client sent under the conversation's id); such a
+  request is remembered (`aside`), and a request that continues it is where the conversation went
+  (`promoted`);
 - *prefix donor*: a new session starts from the snapshot of the conversation of the same credential and
   model that shares the most leading elements with it (the acquire's `prefix_from`).
+
+A turn is known from its dispatch (`begin`), before the client can see the end of its answer, so that a
+client that sends its next turn the instant it reads that end continues its conversation; the request
+before it stays known until the turn ends (`end`: answered, it is settled; an error restores the one
+before; an abort keeps both: the slot holds the aborted prompt and the answer so far).
 
 Nothing here holds a prompt's text: only xxh3 digests of its normalized elements. The credential is a
 digest of the client's `Authorization` / `x-api-key` value: conversations of one credential never match,
@@ -120,18 +128,23 @@ def continues(request: Normalized, known: KnownConversation, shape: Shape) -> bo
     )
 
 
-def message_zero_differs(request: Normalized, known: KnownConversation, shape: Shape) -> bool:
-    """Does `request`'s message 0 differ from the conversation's, other than by growing in place? A
-    request whose first message is not the conversation's is another conversation's (a title or a side
-    request under its id), whatever it carries after."""
+def from_elsewhere(request: Normalized, known: KnownConversation, shape: Shape) -> bool:
+    """Is `request` another conversation's, though under this one's id: its message 0 differs from the
+    conversation's (other than by growing in place), and it does not carry the conversation's messages
+    after message 0 with more after them? A title or summary request carries at most a piece of the
+    conversation; a turn whose system prompt changed (a date, a model name in it) carries all of it, then
+    the new turn. A conversation of one message (a raw completion's prompt) can only grow in place."""
     if shape.head is None:
         return False
     mine = first_message(request)
     if mine is None:
         return True
     theirs = known.digests[shape.head]
-    element = request.elements[mine]
-    return request.digests[mine] != theirs and not grew(element, shape.head_len, theirs)
+    if request.digests[mine] == theirs or grew(request.elements[mine], shape.head_len, theirs):
+        return False
+    rest = known.digests[shape.head + 1 :]
+    carried = request.digests[mine + 1 : mine + 1 + len(rest)]
+    return not (rest and carried == rest and len(request.digests) - mine > len(known.digests) - shape.head)
 
 
 def common_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> int:

@@ -5,8 +5,14 @@ configured body field (both checked strictly: a bad one is a 400), else a client
 (`kvsidecar.proxy.client_ids`); its auxiliary markers; its normalized messages and credential scope. Then
 `resolve` says which conversation it continues (`kvsidecar.proxy.conversations`: digests only, per
 credential, bounded), names one by content when the client sent no id, or runs it beside the session as
-auxiliary. After a successful turn the conversation table learns the request, and a turn that reused far
-fewer tokens than its session's KV held, or whose messages diverged, is recorded for status.
+auxiliary. What the operator configured (`configured`) wins over title markers, which demote a client's
+own id only where the request does not continue the conversation known under it. A raw completion's
+prompt under an id is one element (`prompt_of`): it grows in place, or is another prompt run beside.
+
+The table learns a turn at its dispatch (`begin`), before the client can see the end of its answer, and
+settles it when the turn ends (`end`); a turn the client aborted keeps what its slot holds once llama-server
+stopped it (`slot_held`: the lease is released with it, and the session keeps that KV, unsaved). A turn
+that reused far fewer tokens than its session's KV held, or whose messages diverged, is recorded for status.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from kvsidecar.proxy.conversations import (
     ConversationTable,
     credential_of,
     element_digest,
-    message_zero_differs,
+    from_elsewhere,
 )
 from kvsidecar.proxy.forward import Release
 from kvsidecar.store.naming import short_id, validate_session_id
@@ -54,7 +60,7 @@ _PROMPT_ROUTES = frozenset({"/completion", "/completions", "/v1/completions"})
 def prompt_of(path: str, data: dict[str, Any]) -> Normalized | None:
     """A raw completion's `prompt` (one string, or one list of token ids) as a single element, so that a
     request under a session's id can be told to grow its prompt in place (the old prompt its prefix) or
-    to be another prompt (`message_zero_differs`). Nothing else (several prompts, multimodal parts)."""
+    to be another prompt (`from_elsewhere`). Nothing else (several prompts, multimodal parts)."""
     prompt = data.get("prompt") if path in _PROMPT_ROUTES else None
     if isinstance(prompt, str):
         text = "text:" + prompt
@@ -208,7 +214,7 @@ class ProxySessions:
         if (
             dropped_tools
             or 2 * len(norm.digests) < len(known.digests)
-            or message_zero_differs(norm, known, entry.shape)
+            or from_elsewhere(norm, known, entry.shape)
         ):
             # a side request under the conversation's id (a title, a summary), or another conversation's
             # first message: it runs beside the conversation, whose KV stays the session's

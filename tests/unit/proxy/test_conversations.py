@@ -10,7 +10,7 @@ from kvsidecar.proxy.conversations import (
     ConversationTable,
     Shape,
     element_digest,
-    message_zero_differs,
+    from_elsewhere,
 )
 
 
@@ -87,16 +87,16 @@ def test_continuing_a_conversation_growing_in_place_and_message_zero() -> None:
     assert entry is not None
     assert entry.continued_by(chat("Tell me a story. About a king."))  # grown in its only message
     assert not entry.continued_by(chat("Tell me a story"))  # shorter: not a continuation
-    assert message_zero_differs(chat("Give this a title."), entry.known, entry.shape)
-    assert not message_zero_differs(chat("Tell me a story. And more."), entry.known, entry.shape)
+    assert from_elsewhere(chat("Give this a title."), entry.known, entry.shape)
+    assert not from_elsewhere(chat("Tell me a story. And more."), entry.known, entry.shape)
     with_tools = chat("q1", system="You code.", tools=True)
     shape = Shape.of(with_tools)
     assert shape.head == 1  # message 0 is the system prompt, after the tools
     table.record("k", "t", "m", with_tools)
     known = table.get("k", "t")
     assert known is not None
-    assert not message_zero_differs(chat("q1", "a", "q2", system="You code."), known.known, known.shape)
-    assert message_zero_differs(chat("q1", system="you title.", tools=True), known.known, known.shape)
+    assert not from_elsewhere(chat("q1", "a", "q2", system="You code."), known.known, known.shape)
+    assert from_elsewhere(chat("q1", system="you title.", tools=True), known.known, known.shape)
 
 
 def test_a_side_request_is_promoted_only_by_a_continuation_with_more() -> None:
@@ -110,3 +110,20 @@ def test_a_side_request_is_promoted_only_by_a_continuation_with_more() -> None:
     assert not table.promoted("other", "s", chat("q1", "a1", "q2", system="you title."))  # per credential
     table.begin("k", "s", "m", chat("q1", "a1", "q2", system="You code."))  # a turn of the conversation
     assert not table.promoted("k", "s", chat("q1", "a1", "q2", system="you title."))
+
+
+def test_a_changed_system_prompt_with_the_whole_conversation_after_it_is_a_turn() -> None:
+    """Message 0 changed: a title carries at most a piece of the conversation (here its first message,
+    verbatim); a turn whose system prompt changed (a date in it) carries all of it and the new turn."""
+    conversation = chat("fix the bug", system="You code. Today is Monday.")
+    shape = Shape.of(conversation)
+    known = ConversationTable()
+    known.record("k", "s", "m", conversation)
+    entry = known.get("k", "s")
+    assert entry is not None
+    title = chat("fix the bug", system="you write titles.")
+    assert from_elsewhere(title, entry.known, shape)
+    turn = chat("fix the bug", "done", "now test it", system="You code. Today is Tuesday.")
+    assert not from_elsewhere(turn, entry.known, shape)
+    retry = chat("fix the bug", system="You code. Today is Tuesday.")  # nothing after: not a turn yet
+    assert from_elsewhere(retry, entry.known, shape)

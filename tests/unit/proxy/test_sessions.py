@@ -571,3 +571,20 @@ async def test_a_prompt_that_grows_in_its_only_message_is_told_from_another_prom
     chat["messages"] = [{"role": "user", "content": "Give this conversation a title."}]
     assert kv(await post_chat(rig_, chat, **one))[:2] == ("aux:not-extending", None)
     assert fake.violations == []
+
+
+async def test_a_turn_whose_system_prompt_changed_is_still_the_conversations(
+    r: tuple[Rig, FakeKvBackend],
+) -> None:
+    """A date in the system prompt moved on: the request carries the whole conversation after it and a new
+    turn, so it is the session's turn (reported where it diverged), not a request beside it."""
+    rig_, _ = r
+    sid = {"X-Session-Id": "dated"}
+    await post_chat(rig_, chat_body("You code. Today is Monday.", "fix the bug"), **sid)
+    turn = await post_chat(rig_, chat_body("You code. Today is Tuesday.", "fix the bug", "test it"), **sid)
+    assert kv(turn) == ("header:x-session-id", "resident", "PROMPT_DIVERGED")
+    assert turn.headers["x-kv-diverged-message"] == "0"
+    title = await post_chat(
+        rig_, chat_body("Write a title.", "fix the bug"), **sid
+    )  # its first message, verbatim
+    assert kv(title) == ("aux:not-extending", None, None)
