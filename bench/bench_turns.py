@@ -183,6 +183,7 @@ def main() -> None:
     parser.add_argument(
         "--alone-cache-ram", default=None, help="llama-server alone's --cache-ram (default: its own)"
     )
+    parser.add_argument("--no-alone", action="store_true", help="kvsidecar only (the baseline is the same)")
     parser.add_argument("--name", default="turns")
     args = parser.parse_args()
     sizes = Sizes.scaled(args.scale, args.main_turns)
@@ -194,7 +195,11 @@ def main() -> None:
             started = time.monotonic()
             kv = tally(through_kvsidecar(binary, model, Path(tmp), run, sizes), proxied=True)
             kv_s = time.monotonic() - started
-            base = tally(alone(binary, model, Path(tmp), run, sizes, args.alone_cache_ram), proxied=False)
+            base = (
+                tally(alone(binary, model, Path(tmp), run, sizes, args.alone_cache_ram), proxied=False)
+                if not args.no_alone
+                else tally([], proxied=False)
+            )
         runs.append({"run": run, "kvsidecar": kv, "alone": base, "kvsidecar_s": round(kv_s, 1)})
         print(
             f"run {run}: recognized {kv['recognized']}/{kv['continuations']} {kv['outcomes']}; reused "

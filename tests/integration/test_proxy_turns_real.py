@@ -127,7 +127,7 @@ def check_instant(rig: Rig, api: Api, sizes: Sizes) -> None:
         f"median {statistics.median(ratios):.3f}"
     )
     missed = [
-        (n, t, a.headers.get("x-kv-signal"), a.outcome, a.reused, a.prompt)
+        (n, t, a.headers.get("x-kv-signal"), a.outcome, a.headers.get("x-kv-reason"), a.reused, a.prompt)
         for n, t, a in results
         if t > 0 and (a.headers.get("x-kv-signal") != "content" or a.outcome not in {"resident", "restored"})
     ]
