@@ -45,14 +45,14 @@ CI = Sizes(context=400, step=24, iterations=51)
 LONG = Sizes(context=4600, step=1500, iterations=12)  # 12K-token contexts growing in 4K-token steps
 
 
-def start_server(llama_bin: Path, model: Path, tmp: Path, label: str) -> LlamaServer:
+def start_server(llama_bin: Path, model: Path, tmp: Path, label: str, *, parallel: int = 2) -> LlamaServer:
     return LlamaServer(
         binary=llama_bin,
         model=model,
         slot_save_path=tmp / f"snapshots-{label}",
         log_path=tmp / f"llama-{label}.log",
-        ctx_size=2 * 32768,
-        parallel=2,
+        ctx_size=parallel * 32768,
+        parallel=parallel,
         extra_args=("--cache-ram", "0", "--jinja", "--chat-template-file", str(chat_template(TEMPLATE))),
     ).start()
 
@@ -132,7 +132,10 @@ def check_instant(rig: Rig, api: Api, sizes: Sizes) -> None:
         if t > 0 and (a.headers.get("x-kv-signal") != "content" or a.outcome not in {"resident", "restored"})
     ]
     assert not missed, missed  # never taken for a new conversation (cold, or from a donor)
-    low = [(n, t, a.reused, a.prompt) for n, t, a in results if t > 0 and a.ratio < 0.85]
+    # a restore may bring an older generation back (the cost-aware policy skips a save that recomputing
+    # the last turns undoes): at least 70% of the prompt, where a new conversation reused ~4% (cold) or half
+    # (a donor)
+    low = [(n, t, a.reused, a.prompt) for n, t, a in results if t > 0 and a.ratio < 0.7]
     assert not low, low
 
 
@@ -174,8 +177,11 @@ async def stop_and_redirect(
 
 def check_redirect(rig: Rig, llama_bin: Path, tmp_path: Path, sizes: Sizes) -> None:
     model = generate_llama_model(AGENT, vocab_dir=vocab_dir(llama_bin))
-    alone = start_server(llama_bin, model, tmp_path, "alone")
-    try:  # llama-server alone, one conversation (no other client): the reuse the gesture gets there
+    # llama-server alone, one conversation, one slot: the reuse the gesture gets there at best (with two
+    # slots, a re-prompt sent before llama-server noticed the abort goes to the other slot and reuses
+    # nothing)
+    alone = start_server(llama_bin, model, tmp_path, "alone", parallel=1)
+    try:
         baseline = asyncio.run(stop_and_redirect(alone.base_url, {}, sizes, 1, 6))
     finally:
         alone.stop()
@@ -187,7 +193,7 @@ def check_redirect(rig: Rig, llama_bin: Path, tmp_path: Path, sizes: Sizes) -> N
     ratios = [again.ratio for *_, again in results]
     outcomes = {o: sum(a.outcome == o for *_, a in results) for o in {a.outcome for *_, a in results}}
     print(
-        f"stop and redirect: llama-server alone reused min {expected:.4f}; through kvsidecar "
+        f"stop and redirect: llama-server alone reused {[round(a.ratio, 4) for *_, a in baseline]}; through kvsidecar "
         f"({len(results)} re-prompts under load, {outcomes}) min {min(ratios):.4f} median "
         f"{statistics.median(ratios):.4f}"
     )
@@ -259,17 +265,18 @@ def test_a_title_the_recognizer_misses_leaves_the_conversations_kv(rig: Rig) -> 
     )
     assert turn2.headers["x-kv-outcome"] in {"resident", "restored"}, turn2.headers
     reused, prompt = reuse(turn2)
-    assert reused >= reuse(first)[1] - 2 and reused >= 0.95 * prompt, (reused, prompt)
+    assert reused >= reuse(first)[1] - 2, (reused, prompt, reuse(first))  # all of turn 1's prompt
     raw = {"X-Session-Id": "raw-under-test"}
     story = words("story", 400)
     body: dict[str, object] = {"prompt": story, "n_predict": 4, "temperature": 0}
-    assert post(rig, "/completion", body, **raw).headers["x-kv-outcome"] == "cold"
+    opening = post(rig, "/completion", body, **raw)
+    assert opening.headers["x-kv-outcome"] == "cold"
     other = post(rig, "/completion", {**body, "prompt": "Write a title for the story."}, **raw)
     assert other.headers["x-kv-signal"] == "aux:not-extending"
     grown = post(rig, "/completion", {**body, "prompt": story + words("more", 40)}, **raw)
     assert grown.headers["x-kv-outcome"] in {"resident", "restored"}, grown.headers
     reused, prompt = reuse(grown)
-    assert reused >= 0.9 * prompt, (reused, prompt)
+    assert reused >= reuse(opening)[1] - 2, (reused, prompt, reuse(opening))
 
 
 def test_the_operators_header_keeps_a_title_like_conversation_across_a_restart(
