@@ -14,9 +14,10 @@ Two ways, each on a fresh llama-server per run, with the same prompts:
 
 Per run: how many main continuations (every main turn after the first, and the turn back after the
 sub-agents) were recognized (`X-KV-Signal: content` and `X-KV-Outcome` resident or restored), the tokens
-they reused (llama-server's `cache_n`) and their prompts, both ways; the turns back after the sub-agents
-that came back warm (reused at least 90% of their prompt). `--name` writes bench/results/<name>.json (default
-`turns`). Nothing here is asserted; tests/integration/test_proxy_turns_real.py holds the behaviour.
+they reused (llama-server's `cache_n`) and their prompts, both ways; the continuations, and the turns back
+after the sub-agents, that came back warm (they reused all their conversation had: at least 98% of the
+previous turn's prompt). `--name` writes bench/results/<name>.json (default `turns`). Nothing here is
+asserted; tests/integration/test_proxy_turns_real.py holds the behaviour.
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ class Step:
     agent: int
     kind: str  # main (a continuation), back (the main turn after the sub-agents), first, sub
     answer: Answer
+    before: int | None = None  # a continuation: the prompt of its conversation's previous turn
+
+    @property
+    def warm(self) -> bool:
+        """It reused all its conversation had before (that turn's prompt; its reply may tokenize anew)."""
+        return self.before is not None and (self.answer.reused or 0) >= 0.98 * self.before
 
 
 async def agent(client: httpx.AsyncClient, n: int, run: int, sizes: Sizes) -> list[Step]:
@@ -84,9 +91,11 @@ async def agent(client: httpx.AsyncClient, n: int, run: int, sizes: Sizes) -> li
     main.max_tokens = sizes.reply
     main.add("user", text(f"r{run}a{n}main", sizes.first))
     out: list[Step] = []
+    before: int | None = None
     for k in range(sizes.main_turns):
         answer = await streamed_turn(client, main)
-        out.append(Step(n, "main" if k else "first", answer))
+        out.append(Step(n, "main" if k else "first", answer, before))
+        before = answer.prompt
         main.add("assistant", answer.text or ".")
         main.add("user", text(f"r{run}a{n}tool{k}", sizes.step))
     for s in range(2):
@@ -94,7 +103,7 @@ async def agent(client: httpx.AsyncClient, n: int, run: int, sizes: Sizes) -> li
         sub.max_tokens = sizes.reply
         sub.add("user", text(f"r{run}a{n}sub{s}", sizes.sub))
         out.append(Step(n, "sub", await streamed_turn(client, sub)))
-    out.append(Step(n, "back", await streamed_turn(client, main)))
+    out.append(Step(n, "back", await streamed_turn(client, main), before))
     return out
 
 
@@ -165,7 +174,8 @@ def tally(steps: list[Step], *, proxied: bool) -> dict[str, Any]:
         "reused": sum(s.answer.reused or 0 for s in cont),
         "prompt": sum(s.answer.prompt or 0 for s in cont),
         "min_ratio": min((s.answer.ratio for s in cont), default=0.0),
-        "back_warm": sum(s.answer.ratio >= 0.9 for s in back),
+        "warm": sum(s.warm for s in cont),
+        "back_warm": sum(s.warm for s in back),
         "back": len(back),
         "sub_reused": sum(s.answer.reused or 0 for s in steps if s.kind == "sub"),
     }
@@ -203,7 +213,8 @@ def main() -> None:
         runs.append({"run": run, "kvsidecar": kv, "alone": base, "kvsidecar_s": round(kv_s, 1)})
         print(
             f"run {run}: recognized {kv['recognized']}/{kv['continuations']} {kv['outcomes']}; reused "
-            f"{kv['reused']}/{kv['prompt']} (alone {base['reused']}/{base['prompt']}); back warm "
+            f"{kv['reused']}/{kv['prompt']} (alone {base['reused']}/{base['prompt']}); warm {kv['warm']} "
+            f"(alone {base['warm']}); back warm "
             f"{kv['back_warm']}/{kv['back']} (alone {base['back_warm']}/{base['back']}); {kv_s:.0f} s",
             flush=True,
         )

@@ -182,7 +182,8 @@ def check_redirect(rig: Rig, llama_bin: Path, tmp_path: Path, sizes: Sizes) -> N
     # nothing)
     alone = start_server(llama_bin, model, tmp_path, "alone", parallel=1)
     try:
-        baseline = asyncio.run(stop_and_redirect(alone.base_url, {}, sizes, 1, 6))
+        per_conversation = min(6, sizes.iterations // CONVERSATIONS)  # the contexts the others reach
+        baseline = asyncio.run(stop_and_redirect(alone.base_url, {}, sizes, 1, per_conversation))
     finally:
         alone.stop()
     expected = min(again.ratio for *_, again in baseline)
