@@ -38,11 +38,12 @@ session. Either way a snapshot is restored only into the runtime it was saved un
 model file, KV layout, build, ...): the model that runs is llama-server's, whatever the string says.
 
 A client that disconnects (or is cut by the listener's limits, `kvsidecar.http.listener`) aborts the
-upstream request and the lease. Pure ASGI, so nothing is buffered on the way back. The hop itself
-(headers, streaming, the lease's end) is `kvsidecar.proxy.forward`; what the proxy says on its own
-(OpenAI-shaped errors, `X-KV-*` headers) is `kvsidecar.proxy.answers`; which session a request belongs to
-is `kvsidecar.proxy.sessions`; in fleet mode, a session that belongs on another host goes to that host's
-proxy (`kvsidecar.proxy.peers`).
+upstream request and the lease; a session's turn keeps what its slot holds once llama-server stopped
+(`kvsidecar.proxy.sessions`), and the conversation table knows each turn from its dispatch. Pure ASGI,
+so nothing is buffered on the way back. The hop itself (headers, streaming, the lease's end) is
+`kvsidecar.proxy.forward`; what the proxy says on its own (OpenAI-shaped errors, `X-KV-*` headers) is
+`kvsidecar.proxy.answers`; which session a request belongs to is `kvsidecar.proxy.sessions`; in fleet
+mode, a session that belongs on another host goes to that host's proxy (`kvsidecar.proxy.peers`).
 """
 
 from __future__ import annotations
