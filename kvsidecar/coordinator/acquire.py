@@ -30,6 +30,7 @@ from kvsidecar.coordinator.state import (
     AcquireResult,
     Lease,
     Outcome,
+    SessionRuntime,
     Slot,
 )
 from kvsidecar.coordinator.switch import Switch
@@ -181,7 +182,10 @@ class Acquirer:
         prompt_tokens: int | None = None,
         cached_tokens: int | None = None,
         prompt_ms: float | None = None,
+        held_tokens: int | None = None,
     ) -> dict[str, Any]:
+        """End a lease. `held_tokens`: of a turn its client aborted, what the slot holds now that
+        llama-server has stopped it (the prompt and the answer so far: the session's, unsaved)."""
         lease = self.leases.pop(lease_id)
         if lease is None:
             raise LeaseNotFound("no such lease (already released or expired)")
@@ -208,6 +212,14 @@ class Acquirer:
                 )
             self.sessions.released(rt, self.monotonic())
             self.checkpoints.touched(rt)
+        elif (
+            rt is not None
+            and slot is not None
+            and slot.owner == rt.key
+            and status == "aborted"
+            and held_tokens
+        ):
+            out.update(dirty=True, revision=self._kept_aborted(slot, rt, held_tokens))
         elif slot is not None and slot.foreign_kv and rt is not None and slot.owner == rt.key:
             # no turn of rt ran on the KV its cold start kept: not rt's to come back to
             self.pool.vacate(slot)
@@ -217,3 +229,15 @@ class Acquirer:
             self.pool.touched(slot, rt.context_tokens if ran and rt is not None else None)
             self.pool.give_back(srv, slot)
         return out
+
+    def _kept_aborted(self, slot: Slot, rt: SessionRuntime, held_tokens: int) -> int:
+        """A turn its client aborted left `held_tokens` of the session's prompt and answer in its slot: the
+        session's KV now (its next request, a re-prompt with the partial answer, continues it), marked
+        unsaved so that an eviction saves it. Returns the new revision."""
+        revision = self.sessions.ran(rt)
+        self.sessions.track_context(rt, held_tokens, 0)  # how much it reused is unknown: not append-only
+        self.sessions.take_verify(rt)  # a restore's reuse cannot be judged from a turn that was cut
+        self.pool.owner_ran(slot)
+        self.sessions.released(rt, self.monotonic())
+        self.checkpoints.touched(rt)
+        return revision

@@ -211,6 +211,7 @@ class Coordinator:
             monotonic=self.monotonic,
             acquire_timeout_s=acquire_timeout_s,
         )
+        self.release = self.acquirer.release
         self.lease_ends = LeaseEnds(
             servers=self.servers,
             leases=self.leases,
@@ -353,24 +354,7 @@ class Coordinator:
             srv, identity, seq=seq, caller=caller, scope=scope, donor=donor, extends=extends, named=named
         )
 
-    # release -----------------------------------------------------------------------------------------
-    async def release(
-        self,
-        lease_id: str,
-        *,
-        status: ReleaseStatus,
-        prompt_tokens: int | None = None,
-        cached_tokens: int | None = None,
-        prompt_ms: float | None = None,
-    ) -> dict[str, Any]:
-        return await self.acquirer.release(
-            lease_id,
-            status=status,
-            prompt_tokens=prompt_tokens,
-            cached_tokens=cached_tokens,
-            prompt_ms=prompt_ms,
-        )
-
+    # release: `self.release` is the acquirer's (lease ends, numbers of the run, a turn cut short) ----------
     def renew(self, lease_id: str) -> None:
         """Push a lease's expiry back by a full TTL (the proxy does so while its request is in flight)."""
         self.leases.renew(lease_id, self.config.api.lease_ttl_s)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -114,6 +114,9 @@ class Saver:
                 return False
             overlap = overlap and not op.trial and not self.config.failure.strict
             held.enter_context(self.sessions.busy_with(rt.key))
+            # a switch's save: the slot is no longer the session's, so its own next acquire may take another
+            # slot at once; it waits for this save from now on, the write included, not only the commit
+            held.enter_context(self._in_flight(rt))
             commit = await self._write(op, srv, slot, rt, trigger=trigger)
             if commit is None:
                 return False
@@ -127,6 +130,21 @@ class Saver:
             if saved and actions is not None:
                 actions.append(f"save {rt.identity.short}")
             return saved
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _in_flight(rt: SessionRuntime) -> Iterator[None]:
+        """While the save runs: `rt.pending_commit` is a future that ends with it, so `wait_commit` waits for
+        the write too. An overlapped commit takes `pending_commit` over once the file is written, and this
+        context with it (`held.pop_all()`): the future then ends with the commit."""
+        ended: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        rt.pending_commit = ended
+        try:
+            yield
+        finally:
+            if rt.pending_commit is ended:
+                rt.pending_commit = None
+            ended.set_result(True)
 
     async def _commit_later(self, held: contextlib.AsyncExitStack, commit: Coroutine[Any, Any, bool]) -> bool:
         async with held:

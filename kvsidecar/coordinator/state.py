@@ -80,9 +80,10 @@ class SessionRuntime:
     # From when (monotonic) a background save of its current revision may start: the clean-ahead check
     # runs then, and again whenever its server goes idle after (a check that found it busy is not lost).
     clean_due_at: float | None = None
-    # The commit (checksum + manifest) of a switch's save, still running while the slot's next session
-    # restores (save.py `overlap`): the session's own next acquire waits for it.
-    pending_commit: asyncio.Task[bool] | None = None
+    # A save of it in flight: while llama-server writes the file, then the commit (checksum + manifest) of
+    # a switch's save, still running while the slot's next session restores (save.py `overlap`): the
+    # session's own next acquire waits for it (`Saver.wait_commit`).
+    pending_commit: asyncio.Future[bool] | None = None
     # Unsaved work (issue 26, checkpoint.py `protect`): when (monotonic) its first turn past the saved
     # revision `dirty_since_rev` ran; a save moves saved_revision, so a stale mark is recognised.
     dirty_since: float | None = None

@@ -32,10 +32,13 @@ Routes where llama-server ignores `id_slot` (embeddings, rerank, transcriptions,
 are forwarded only to a llama-server with a single slot, which the lease then holds. Requests for more
 than one completion (`n`, `n_cmpl`) are refused: llama-server would run the others on other slots.
 
-A session's KV is named by its id and (`proxy.identity: session+model`, the default) the `model` string.
-A client that disconnects (or is cut by the listener's limits) aborts the upstream request and the lease.
-Pure ASGI, nothing buffered on the way back. The hop: `kvsidecar.proxy.forward`; the proxy's own answers:
-`kvsidecar.proxy.answers`; sessions: `kvsidecar.proxy.sessions`; fleet peers: `kvsidecar.proxy.peers`.
+A session's KV is named by its id and (`proxy.identity: session+model`, the default) the `model` string;
+a snapshot is restored only into the runtime it was saved under, whatever the string says.
+A client that disconnects (or is cut by the listener's limits) aborts the upstream request and the lease;
+the session keeps what its slot holds once llama-server stopped, and the conversation table knows each turn
+from its dispatch (`kvsidecar.proxy.sessions`). Pure ASGI, nothing buffered on the way back. The hop:
+`kvsidecar.proxy.forward`; the proxy's own answers: `kvsidecar.proxy.answers`; fleet peers:
+`kvsidecar.proxy.peers`.
 """
 
 from __future__ import annotations
@@ -364,7 +367,8 @@ class Proxy:
     ) -> None:
         """Pin the request to the lease's slot, forward it, release the lease with llama-server's numbers."""
         assert lease.lease_id is not None and lease.slot_id is not None
-        release = Release(self.coordinator, lease.lease_id)
+        turn = self.sessions.begin(call)  # the table knows the turn before its answer can end
+        release = Release(self.coordinator, lease.lease_id, held=self.sessions.held(call, lease.slot_id))
         status, timings = "aborted", None
         try:
             body, pinned, convert = pinned_body(call, lease.slot_id)
@@ -384,8 +388,7 @@ class Proxy:
             )
         finally:
             await release(status, timings)  # a no-op when the pump already released at the answer's end
-        if status == "ok" and call.session is not None:
-            self.sessions.after_turn(call, lease, release)
+            self.sessions.end(call, turn, release.status or status, lease, release)
 
     async def _forward(
         self,

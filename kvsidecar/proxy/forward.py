@@ -124,10 +124,20 @@ class Tail:
 class Release:
     """Keeps one proxied lease alive while its request is in flight (a 100K-token prefill can outlast the
     lease TTL before llama-server sends a byte), then ends it, once, with the engine's own prompt/cache
-    counts when there are any."""
+    counts when there are any. `held`: for a session's turn, what the slot holds after its client left
+    mid-answer (`kvsidecar.proxy.sessions.slot_held`); the lease is kept until then, and the session keeps
+    that KV as its own."""
 
-    def __init__(self, coordinator: Coordinator, lease_id: str) -> None:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        lease_id: str,
+        *,
+        held: Callable[[], Awaitable[int | None]] | None = None,
+    ) -> None:
         self.coordinator, self.lease_id, self.done = coordinator, lease_id, False
+        self.held = held
+        self.status: str | None = None  # what the lease was released with
         self.result: dict[str, Any] | None = None  # the coordinator's answer to the release
         self.counts: tuple[int | None, int | None] = (None, None)  # the engine's prompt_n, cache_n
         coordinator.renew(lease_id)  # held here, by this request: active from the start, not a claim
@@ -141,8 +151,11 @@ class Release:
     async def __call__(self, status: str, timings: dict[str, Any] | None) -> None:
         if self.done:
             return
-        self.done = True
-        self.timer.cancel()
+        self.done, self.status = True, status
+        try:
+            held = await self.held() if status == "aborted" and self.held is not None else None
+        finally:
+            self.timer.cancel()
         prompt_n, cache_n = token_counts(timings)
         self.counts = (prompt_n, cache_n)
         with contextlib.suppress(KvError):
@@ -152,6 +165,7 @@ class Release:
                 prompt_tokens=prompt_n,
                 cached_tokens=cache_n,
                 prompt_ms=prompt_ms(timings),
+                held_tokens=held,
             )
 
 

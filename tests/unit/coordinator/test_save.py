@@ -122,6 +122,36 @@ async def test_the_evicted_sessions_own_acquire_waits_for_its_commit(
         await h.coordinator.aclose()
 
 
+async def test_the_evicted_sessions_own_acquire_waits_for_its_save_still_being_written(
+    tmp_path: Path,
+) -> None:
+    """An evicted session's next turn taking another slot while llama-server still writes its file: it waits
+    for the write (and the commit) and restores; it never starts cold (`NO_SNAPSHOT`) on a save in flight."""
+    h = await start_harness(
+        tmp_path, total_slots=2, servers={"local": {"mode": "managed-slots", "slot_wait_s": 10}}
+    )
+    try:
+        await h.turn("A")  # slot 0, dirty, never saved
+        await h.turn("B")  # slot 1
+        writing = h.fake.hold("save")  # the next save: A's, evicted by C
+        c = asyncio.ensure_future(h.coordinator.acquire("C", provider="local", model="m"))
+        await asyncio.wait_for(writing.entered.wait(), 10)
+        a = asyncio.ensure_future(h.coordinator.acquire("A", provider="local", model="m"))  # evicts B
+        rt_b = h.coordinator.sessions.get(key("B"))
+        assert rt_b is not None
+        await until(lambda: rt_b.state is SessionState.SAVED, interval_s=0.001, what="B saved")
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not a.done()  # A waits for its own save in flight (without the wait it would start cold now)
+        writing.release()
+        got_a, got_c = await a, await c
+        assert got_c.outcome == "cold"
+        assert got_a.outcome == "restored" and got_a.restored_tokens == 50
+    finally:
+        writing.release()
+        await h.coordinator.aclose()
+
+
 @pytest.mark.parametrize("commit_then", ["succeeds", "fails"])
 async def test_a_cancel_during_the_commit_never_deletes_the_file_it_records(
     h: Harness, monkeypatch: pytest.MonkeyPatch, commit_then: str

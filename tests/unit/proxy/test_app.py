@@ -238,7 +238,7 @@ async def test_lease_outlives_its_ttl_while_llama_is_busy(tmp_path: Path) -> Non
 async def test_proxy_metrics_count_requests_by_kind_and_result(r: Rig) -> None:
     async with r.client() as c:
         await c.post("/completion", json={"prompt": "a"}, headers={"X-Session-Id": "s"})
-        await c.post("/completion", json={"prompt": "b"}, headers={"X-Session-Id": "s"})
+        await c.post("/completion", json={"prompt": "ab"}, headers={"X-Session-Id": "s"})  # grown in place
         await c.get("/props")
         await c.post("/completion", json={"prompt": "c"}, headers={"X-Session-Id": "../x"})
         await c.get("/props", headers={"Authorization": "Bearer wrong"})

@@ -6,6 +6,9 @@ llama-server suite: tests/integration/test_agent_clients_real.py."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import json
 import zlib
 from collections.abc import AsyncIterator
@@ -25,8 +28,8 @@ from kvsidecar.proxy.client_content import normalize
 from kvsidecar.proxy.conversations import ConversationTable, credential_of
 from tests.unit.client_fixtures import Recorded, load
 from tests.unit.coordinator_helpers import conversation, start_harness
-from tests.unit.origin import Request, keep_alive_origin
-from tests.unit.proxy.test_app import TOKEN, Rig, rig
+from tests.unit.origin import Origin, OriginConn, Request, keep_alive_origin
+from tests.unit.proxy.test_app import AUTH, TOKEN, Rig, rig
 
 _DROP = {"authorization", "x-api-key", "host", "content-length", "accept-encoding", "connection"}
 
@@ -308,3 +311,307 @@ async def test_hook_api_prefix_from_restores_the_donors_snapshot_untouched(tmp_p
         assert h.coordinator.telemetry.stats()["prefix_donor_restores"] == 1
     finally:
         await h.coordinator.aclose()
+
+
+# A conversation's next turn is always recognized --------------------------------------------------------
+def _chunk(event: bytes) -> bytes:
+    return f"{len(event):x}\r\n".encode() + event + b"\r\n"
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    return b"data: " + (data if isinstance(data, str) else json.dumps(data)).encode() + b"\n\n"
+
+
+def held_end_origin(fake: list[FakeKvBackend], later: asyncio.Event) -> Origin:
+    """llama-server as the fake engine, streaming chat completions: the answer's last event ([DONE]) goes
+    out at once, the end of the HTTP message only once a later request has come in (bounded), the widest
+    gap a real stream has between the end a client reads and the end the proxy sees."""
+
+    async def handler(conn: OriginConn) -> None:
+        while True:
+            request = origin.recording(await conn.read_request())
+            if request is None:
+                return
+            if len(origin.requests) > 1:
+                later.set()
+            data = request.json()
+            prompt_n, cache_n = fake[0].infer(data.get("id_slot", 0), render(data))
+            timings = {"prompt_n": prompt_n, "cache_n": cache_n}
+            if not data.get("stream"):
+                body = {"choices": [{"message": {"role": "assistant", "content": "ok"}}], "timings": timings}
+                await conn.respond(json.dumps(body).encode(), headers=(("content-type", "application/json"),))
+                continue
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            delta = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "ok"}}]}
+            stop = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+            final = {"choices": [], "timings": timings}
+            await conn.send(head + b"".join(_chunk(_sse(e)) for e in (delta, stop, final, "[DONE]")))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(later.wait(), 5)  # the end of the message, once the next turn is in
+            await conn.send(b"0\r\n\r\n")
+
+    origin = Origin(handler)
+    return origin
+
+
+CHAT_TURN = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "a" * 300}]}
+MESSAGES_TURN = {
+    "model": "m",
+    "max_tokens": 4,
+    "system": "You are terse.",
+    "messages": [{"role": "user", "content": "b" * 300}],
+}
+
+
+async def read_to_the_end(resp: httpx.Response) -> None:
+    """An SSE stream read up to its last event: `data: [DONE]`, or the data of Anthropic's message_stop."""
+    stop = False
+    async for line in resp.aiter_lines():
+        if line == "data: [DONE]" or (stop and line.startswith("data:")):
+            return
+        stop = stop or line == "event: message_stop"
+    raise AssertionError("the stream ended without its last event")
+
+
+@pytest.mark.parametrize(
+    ("path", "first"), [("/v1/chat/completions", CHAT_TURN), ("/v1/messages", MESSAGES_TURN)]
+)
+async def test_a_turn_sent_the_instant_the_stream_ends_continues_its_conversation(
+    tmp_path: Path, path: str, first: dict[str, Any]
+) -> None:
+    """A client with no session id that sends its next turn as soon as it has read the answer's last
+    event: the conversation table knows the turn by then, so the next one is the same conversation,
+    resident (never a new conversation started cold or from a donor)."""
+    fake: list[FakeKvBackend] = []
+    later = asyncio.Event()
+    async for r in rig(tmp_path, held_end_origin(fake, later)):
+        fake.append(r.h.fake)
+        headers = {**AUTH, "anthropic-version": "2023-06-01"}
+        async with httpx.AsyncClient(base_url=r.url, headers=headers, timeout=10) as c:
+            async with c.stream("POST", path, json={**first, "stream": True}) as resp:
+                assert resp.headers["x-kv-signal"] == "content", resp.headers
+                await read_to_the_end(resp)
+                messages = [*first["messages"], {"role": "assistant", "content": "ok"}]
+                messages.append({"role": "user", "content": "next"})
+                second = await c.post(path, json={**first, "messages": messages})
+            assert second.status_code == 200, second.text
+            assert kv(second)[:2] == ("content", "resident"), second.headers
+            assert r.h.coordinator.status()["proxy"]["conversations"] == 1
+
+
+def generating_origin(fake: list[FakeKvBackend], gone: asyncio.Event) -> Origin:
+    """llama-server as the fake engine: a streamed answer generates (a token appended to the slot per
+    event) until its client hangs up; then the slot stops, keeping the prompt and the tokens so far."""
+
+    async def handler(conn: OriginConn) -> None:
+        while True:
+            request = origin.recording(await conn.read_request())
+            if request is None:
+                return
+            data = request.json()
+            slot_id = data.get("id_slot", 0)
+            prompt_n, cache_n = fake[0].infer(slot_id, render(data))
+            timings = {"prompt_n": prompt_n, "cache_n": cache_n}
+            if not data.get("stream"):
+                body = {"choices": [{"message": {"role": "assistant", "content": "ok"}}], "timings": timings}
+                await conn.respond(json.dumps(body).encode(), headers=(("content-type", "application/json"),))
+                continue
+            slot = fake[0].slots[slot_id]
+            slot.is_processing = True
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            delta = {"choices": [{"index": 0, "delta": {"content": "Sure"}}]}
+            try:
+                await conn.send(head)
+                for n in itertools.count():
+                    slot.tokens.append(100_000 + n)
+                    await conn.send(_chunk(_sse(delta)))
+                    await asyncio.sleep(0.005)  # a token's time: generates until the client is gone
+            except ConnectionError:
+                slot.is_processing = False
+                gone.set()
+                return
+
+    origin = Origin(handler)
+    return origin
+
+
+async def abort_after_two_events(c: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Headers:
+    async with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
+        events = 0
+        async for line in resp.aiter_lines():
+            events += line.startswith("data:")
+            if events == 2:
+                break
+        return resp.headers  # leaving the block hangs up mid-answer
+
+
+REPROMPT = [
+    *CHAT_TURN["messages"],  # type: ignore[misc]
+    {"role": "assistant", "content": "SureSure"},
+    {"role": "user", "content": "No: do it the other way."},
+]
+
+
+@pytest.mark.parametrize("evicted", [False, True], ids=["resident", "evicted"])
+async def test_a_turn_the_client_aborts_is_kept_and_its_reprompt_continues_it(
+    tmp_path: Path, evicted: bool
+) -> None:
+    """Stop and redirect: the client hangs up after a few tokens and re-prompts with the partial answer and a
+    new instruction. The aborted turn is the session's (what the slot holds once llama-server stopped, as
+    unsaved KV: an eviction saves it), and the re-prompt continues it with the slot's prompt reused."""
+    fake: list[FakeKvBackend] = []
+    gone = asyncio.Event()
+    async for r in rig(tmp_path, generating_origin(fake, gone)):
+        fake.append(r.h.fake)
+        async with httpx.AsyncClient(base_url=r.url, headers=AUTH, timeout=10) as c:
+            first = await abort_after_two_events(c, CHAT_TURN)
+            assert first["x-kv-signal"] == "content" and first["x-kv-outcome"] == "cold"
+            await asyncio.wait_for(gone.wait(), 5)
+            assert await r.leases_after_release() == 0
+            [rt] = r.h.coordinator.sessions.by_key.values()
+            held = len(fake[0].slot_tokens(0))
+            assert held > len(render(CHAT_TURN)) and rt.dirty and rt.context_tokens == held
+            if evicted:  # another conversation takes the only slot: the aborted turn's KV is saved first
+                other = {**CHAT_TURN, "messages": [{"role": "user", "content": "z" * 200}]}
+                assert (await c.post("/v1/chat/completions", json=other)).status_code == 200
+                assert r.h.coordinator.status()["stats"]["saves"] == 1
+            again = await c.post("/v1/chat/completions", json={**CHAT_TURN, "messages": REPROMPT})
+        assert kv(again)[:2] == ("content", "restored" if evicted else "resident"), again.headers
+        assert again.json()["timings"]["cache_n"] >= len(render(CHAT_TURN)) - 1
+        assert r.h.coordinator.status()["proxy"]["conversations"] == 1 + evicted
+
+
+TITLE_SYSTEM = "You are a title generator. You write titles of at most 50 characters."
+
+
+def chat_body(system: str, *users: str, **extra: Any) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    for n, text in enumerate(users):
+        if n:
+            messages.append({"role": "assistant", "content": "ok"})
+        messages.append({"role": "user", "content": text})
+    return {"model": "m", "max_tokens": 4, "messages": messages, **extra}
+
+
+async def post_chat(r: Rig, body: dict[str, Any], **headers: str) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=r.url, headers=AUTH, timeout=10) as c:
+        resp = await c.post("/v1/chat/completions", json=body, headers=headers)
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+@pytest.mark.parametrize(
+    ("proxy", "named"),
+    [
+        ({"session_header": "X-Conversation"}, {"headers": {"X-Conversation": "conv-1"}}),
+        ({"session_field": "user"}, {"body": {"user": "conv-1"}}),
+    ],
+    ids=["header", "body-field"],
+)
+async def test_the_operators_session_id_wins_over_title_markers(
+    tmp_path: Path, proxy: dict[str, Any], named: dict[str, Any]
+) -> None:
+    """A conversation whose system prompt starts like opencode's title generator, named by the operator's
+    configured header or body field: every turn is the session's (saved, restored), never auxiliary."""
+    async for r, _ in with_engine(tmp_path, proxy=proxy):
+        extra, headers = named.get("body", {}), named.get("headers", {})
+        turn1 = await post_chat(r, chat_body(TITLE_SYSTEM, "u1", **extra), **headers)
+        assert kv(turn1)[:2] == ("configured", "cold")
+        turn2 = await post_chat(r, chat_body(TITLE_SYSTEM, "u1", "u2", **extra), **headers)
+        assert kv(turn2)[:2] == ("configured", "resident")
+        await post_chat(
+            r, chat_body("Another conversation.", "v1", user="conv-2"), **{"X-Conversation": "conv-2"}
+        )
+        assert r.h.coordinator.status()["stats"]["saves"] == 1  # the title-like conversation was saved
+        turn3 = await post_chat(r, chat_body(TITLE_SYSTEM, "u1", "u2", "u3", **extra), **headers)
+        assert kv(turn3)[:2] == ("configured", "restored")
+
+
+async def test_a_client_id_conversation_that_looks_like_a_title_is_a_session_from_its_second_turn(
+    r: tuple[Rig, FakeKvBackend],
+) -> None:
+    """Under a client's built-in id (here `X-Session-Id`, also opencode's), a first request that looks like a
+    title runs beside; the next one that extends it shows it was the conversation, a session from then on."""
+    rig_, _ = r
+    first = await post_chat(rig_, chat_body(TITLE_SYSTEM, "u1"), **{"X-Session-Id": "s1"})
+    assert kv(first) == ("title:opencode", None, None)
+    second = await post_chat(rig_, chat_body(TITLE_SYSTEM, "u1", "u2"), **{"X-Session-Id": "s1"})
+    assert kv(second)[:2] == ("header:x-session-id", "cold")
+    third = await post_chat(rig_, chat_body(TITLE_SYSTEM, "u1", "u2", "u3"), **{"X-Session-Id": "s1"})
+    assert kv(third)[:2] == ("header:x-session-id", "resident")
+    # a real title request under its id still runs beside it (and is no continuation of it)
+    again = await post_chat(rig_, chat_body(TITLE_SYSTEM, "summarize u1 u2 u3"), **{"X-Session-Id": "s1"})
+    assert kv(again) == ("title:opencode", None, None)
+
+
+async def test_a_request_diverging_at_message_zero_runs_beside_the_conversation(
+    r: tuple[Rig, FakeKvBackend],
+) -> None:
+    """A title request the recognizer misses (lower-case, under the conversation's id, as long as the
+    conversation): it runs beside the conversation, whose KV survives; if the client then continues that
+    request, the conversation moved there (its first message changed for good)."""
+    rig_, fake = r
+    sid = {"X-Session-Id": "conv"}
+    await post_chat(rig_, chat_body("You are a coding agent.", "fix the bug"), **sid)
+    held = fake.slot_tokens(0)
+    title = chat_body("you are a title generator. write a title.", "fix the bug")
+    side = await post_chat(rig_, title, **sid)
+    assert kv(side) == ("aux:not-extending", None, None)
+    turn2 = await post_chat(rig_, chat_body("You are a coding agent.", "fix the bug", "and test it"), **sid)
+    assert kv(turn2)[:2] == ("header:x-session-id", "restored")  # saved before the title ran on its slot
+    assert turn2.json()["timings"]["cache_n"] >= len(held) - 1
+    # the client sends one again and continues it: the conversation itself is there now
+    assert kv(await post_chat(rig_, title, **sid)) == ("aux:not-extending", None, None)
+    moved = await post_chat(
+        rig_, chat_body("you are a title generator. write a title.", "fix the bug", "x"), **sid
+    )
+    assert kv(moved)[:3] == ("header:x-session-id", "restored", "PROMPT_DIVERGED")
+    assert moved.headers["x-kv-diverged-message"] == "0"
+
+
+async def test_a_prompt_that_grows_in_its_only_message_is_told_from_another_prompt(
+    r: tuple[Rig, FakeKvBackend],
+) -> None:
+    """Raw `/completion` (one element: the prompt) and a one-message chat: a prompt that grows in place is the
+    session's next turn (resident); another prompt under the same id runs beside it, and the session's KV
+    survives it."""
+    rig_, fake = r
+    sid = {"X-Session-Id": "raw"}
+
+    async def complete(prompt: Any) -> httpx.Response:
+        async with httpx.AsyncClient(base_url=rig_.url, headers=AUTH, timeout=10) as c:
+            resp = await c.post("/completion", json={"prompt": prompt, "n_predict": 2}, headers=sid)
+        assert resp.status_code == 200, resp.text
+        return resp
+
+    assert kv(await complete("Once upon a time"))[:2] == ("header:x-session-id", "cold")
+    assert kv(await complete("Once upon a time, there was"))[:2] == ("header:x-session-id", "resident")
+    assert kv(await complete("Write a title for this story."))[:2] == ("aux:not-extending", None)
+    grown = await complete("Once upon a time, there was a king")
+    assert kv(grown)[:2] == ("header:x-session-id", "restored")
+    assert kv(await complete([1, 2, 3]))[:2] == ("aux:not-extending", None)  # token ids: another prompt
+    one = {"X-Session-Id": "one"}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story."}]}
+    assert kv(await post_chat(rig_, chat, **one))[:2] == ("header:x-session-id", "cold")
+    chat["messages"] = [{"role": "user", "content": "Tell me a story. About a king."}]
+    assert kv(await post_chat(rig_, chat, **one))[:2] == ("header:x-session-id", "resident")
+    chat["messages"] = [{"role": "user", "content": "Give this conversation a title."}]
+    assert kv(await post_chat(rig_, chat, **one))[:2] == ("aux:not-extending", None)
+    assert fake.violations == []
+
+
+async def test_a_turn_whose_system_prompt_changed_is_still_the_conversations(
+    r: tuple[Rig, FakeKvBackend],
+) -> None:
+    """A date in the system prompt moved on: the request carries the whole conversation after it and a new
+    turn, so it is the session's turn (reported where it diverged), not a request beside it."""
+    rig_, _ = r
+    sid = {"X-Session-Id": "dated"}
+    await post_chat(rig_, chat_body("You code. Today is Monday.", "fix the bug"), **sid)
+    turn = await post_chat(rig_, chat_body("You code. Today is Tuesday.", "fix the bug", "test it"), **sid)
+    assert kv(turn) == ("header:x-session-id", "resident", "PROMPT_DIVERGED")
+    assert turn.headers["x-kv-diverged-message"] == "0"
+    title = await post_chat(
+        rig_, chat_body("Write a title.", "fix the bug"), **sid
+    )  # its first message, verbatim
+    assert kv(title) == ("aux:not-extending", None, None)
