@@ -29,7 +29,7 @@ import contextlib
 import logging
 import os
 import select
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,8 +78,11 @@ class ServerRuntime:
         digests: FileDigestCache | None,
         process_check: Callable[[ProcessInfo], bool] | None = None,
         mappings: Callable[[int], Any] | None = None,
+        before_wake: Callable[[ServerRuntime], Awaitable[None]] | None = None,
     ) -> None:
         self.name = name
+        # what wakes a model a router unloaded: room made on the router first (coordinator/swaps.py)
+        self.before_wake = before_wake
         self.config = config
         self.backend = backend
         self.breaker = breaker
@@ -150,6 +153,8 @@ class ServerRuntime:
                 # the sleep is seen here (the restart reason below compares with the last probe)
                 self.caps = caps
                 old_caps = caps
+                if self.before_wake is not None:
+                    await self.before_wake(self)
                 await self.backend.wake()
                 caps = await self.backend.probe()
         except KvError as exc:
@@ -157,7 +162,7 @@ class ServerRuntime:
             self.last_error = exc.message
             return RefreshResult(available=False, restarted=was_available, reason="unreachable")
         process = (
-            await asyncio.to_thread(self.process_finder, self.config.base_url)
+            await asyncio.to_thread(self.process_finder, caps.process_url or self.config.base_url)
             if self.process_finder
             else None
         )
@@ -349,6 +354,7 @@ def build_servers(
     process_check: Callable[[ProcessInfo], bool] | None,
     digests: FileDigestCache | None,
     monotonic: Callable[[], float],
+    before_wake: Callable[[ServerRuntime], Awaitable[None]] | None = None,
 ) -> dict[str, ServerRuntime]:
     """One runtime per configured server, each with its own breaker (different servers share nothing)."""
     return {
@@ -364,6 +370,7 @@ def build_servers(
             process_finder=process_finder,
             process_check=process_check,
             digests=digests,
+            before_wake=before_wake,
         )
         for name, cfg in config.servers.items()
     }
