@@ -124,6 +124,41 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def section(d: dict[str, Any]) -> list[str]:
+    """The BENCHMARKS.md section of a run (bench/report.py; the analysis is bench/notes/router.md)."""
+    m = d["machine"]
+    rows = []
+    for way, v in d["ways"].items():
+        s, later = v["summary"], [r for r in v["turns"] if "reuse_vs_resident" in r]
+        restored = sum(1 for r in later if r.get("outcome") == "restored")
+        rows.append(
+            f"| {way} | {s['prompt_tokens_computed']:,} | {s['prompt_tokens_reused']:,} "
+            f"| {s['later_turns_reuse_vs_resident_median'] * 100:.0f}% "
+            f"| {s['later_turns_reuse_vs_resident_min'] * 100:.0f}% "
+            f"| {'-' if way == 'alone' else f'{restored} of {len(later)}'} "
+            f"| {s['later_turns_ttft_ms_median']:,.0f} |"
+        )
+    return [
+        "## Model swaps on llama.cpp's router (two models, `--models-max 1`)",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores shared with other jobs, {m['date']}. `bench/bench_router.py`: a "
+        "real 11434 router (`--models-dir` with two generated 4-layer models, `--models-max 1`, `--parallel 2`, "
+        "`--ctx-size 16384`, `--cache-ram 0`), two sessions per model, the model alternating at every turn (A1, "
+        f"B1, A2, B2, {d['rounds']} rounds: every turn loads its model and unloads the other); each session's "
+        f"prompt grows by {d['step_words']} words a turn. Three ways, each on a fresh router: straight to the "
+        "router with each session pinned to its own slot (`alone`); through kvsidecar's proxy with each model a "
+        "server entry (docs/SWAPS.md); and the same with the loaded model's child killed (`kill -9`) after every "
+        "third turn. TTFT is the client's wall time of a one-token request, model load included. Results: "
+        "`bench/results/router.json`.",
+        "",
+        "| way | prompt tokens computed | reused | reuse vs resident, later turns (median) | (min) "
+        "| later turns restored | TTFT later turns p50 (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=4)

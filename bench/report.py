@@ -686,6 +686,12 @@ def section_clients(d: dict[str, Any]) -> list[str]:
     return section(d)
 
 
+def section_router(d: dict[str, Any]) -> list[str]:
+    from bench_router import section  # bench/ is on sys.path when this script runs
+
+    return section(d)
+
+
 def notes(name: str) -> list[str]:
     """The hand-written analysis of a section (bench/notes/<name>.md), kept beside the generated tables."""
     path = ROOT / "bench" / "notes" / f"{name}.md"
@@ -715,6 +721,7 @@ def render() -> str:
         ("agent", section_agent, "agent"),
         ("fleet", section_fleet, "fleet"),
         ("clients", section_clients, "clients"),
+        ("router", section_router, "router"),
     )
     for name, fn, note in sections:
         data = load(name)
