@@ -50,6 +50,7 @@ class RouterModel:
     id: str
     status: str
     port: int | None = None  # the child's port (`--port` in its arguments), while it runs
+    parallel: int | None = None  # its slots, when its arguments say (`--parallel`)
     failed: bool = False
     exit_code: int | None = None
 
@@ -79,15 +80,27 @@ class Unload:
     at: float
 
 
-def _port(args: Any) -> int | None:
-    """The value after the last `--port` in a child's arguments (0 before the router picked one)."""
+def _last_int(args: Any, flags: tuple[str, ...]) -> int | None:
+    """The value after the last of `flags` in a child's arguments, as a decimal integer."""
     if not isinstance(args, list):
         return None
-    port = None
+    found = None
     for flag, value in itertools.pairwise(args):
-        if flag == "--port" and isinstance(value, str) and value.isdigit():
-            port = int(value)
+        if flag in flags and isinstance(value, str) and value.isdigit() and len(value) < 10:
+            found = int(value)
+    return found
+
+
+def _port(args: Any) -> int | None:
+    """The child's port (`--port`; 0 before the router picked one)."""
+    port = _last_int(args, ("--port",))
     return port if port is not None and 0 < port < 65536 else None
+
+
+def _parallel(args: Any) -> int | None:
+    """The child's slots as its arguments give them (`--parallel N`, N > 0; absent or auto: unknown)."""
+    n = _last_int(args, ("--parallel", "-np"))
+    return n if n is not None and n > 0 else None
 
 
 def parse_models(data: Any) -> dict[str, RouterModel]:
@@ -106,6 +119,7 @@ def parse_models(data: Any) -> dict[str, RouterModel]:
             id=entry["id"],
             status=value if isinstance(value, str) else "unknown",
             port=_port(status.get("args")),
+            parallel=_parallel(status.get("args")),
             failed=status.get("failed") is True,
             exit_code=code if isinstance(code, int) and not isinstance(code, bool) else None,
         )
@@ -139,7 +153,7 @@ class RouterModelBackend(LlamaCppBackend):
         self.last: RouterModel | None = None  # what the last look at GET /models said of the model
         self._unloading = False  # an unload() of ours is in flight: the next unload seen is ours
         self._unloads: list[Unload] = []
-        self._slots = 1  # the slots the model's child had when last loaded (kept while it is not)
+        self._slots: int | None = None  # the slots the model's child had when last loaded
 
     @classmethod
     def from_config(
@@ -222,11 +236,13 @@ class RouterModelBackend(LlamaCppBackend):
                 kind=self.kind,
                 alive=True,
                 slots_endpoint=True,
-                total_slots=self._slots,
+                # the slots it had, else what its arguments say; unknown (1, and `slots_known` false: the
+                # proxy sends it nothing unpinned) until it loads
+                total_slots=self._slots or now.parallel or 1,
                 n_ctx=None,
                 model_path=None,
                 build_info=None,
-                props={"router_status": now.status},
+                props={"router_status": now.status, "slots_known": bool(self._slots or now.parallel)},
                 sleeping=True,
             )
         caps = await super().probe()

@@ -264,9 +264,12 @@ class Proxy:
         """A route that ignores id_slot is safe only where llama-server has no other slot to pick."""
         if call.route is not RouteKind.UNPINNED:
             return
-        caps = self.coordinator.servers[self.cfg.server].caps
+        routed = self.coordinator.route(self.provider, self.sessions.runs_on(call)) if self.provider else None
+        caps = (routed or self.coordinator.servers[self.cfg.server]).caps  # a router's: the model it runs on
         if caps is None:
             raise BackendUnavailable(f"llama-server at {self.upstream.base_url} has not answered a probe yet")
+        if caps.props.get("slots_known") is False:  # a router's model never loaded, no --parallel given
+            raise BackendUnavailable(f"{call.path}: the model is not loaded yet, its slot count is unknown")
         if caps.total_slots != 1:
             raise ProxyForbidden(
                 f"{call.path} runs on a slot llama-server picks itself (it ignores id_slot); with "

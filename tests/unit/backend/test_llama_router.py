@@ -100,6 +100,7 @@ def test_models_are_read_defensively() -> None:
     assert not models["b"].running and models["b"].failed and models["b"].exit_code == 9
     assert models["c"].port is None and not models["c"].running  # not a port
     assert models["d"].port == 77  # the last --port is the one the child parses
+    assert models["a"].parallel is None  # no --parallel: llama-server picks (auto), unknown here
     assert models["e"].status == "unknown" and models["e"].exit_code is None
     assert parse_models([1, 2]) == {} and parse_models({"data": "x"}) == {}
 
@@ -133,13 +134,22 @@ async def test_an_unloaded_model_reads_as_asleep_and_a_loaded_one_names_its_chil
     b = backend(router)
     caps = await b.probe()
     assert caps.sleeping and caps.process_url is None and caps.alive
+    assert caps.props["slots_known"] is False  # never loaded, no --parallel in its arguments
     assert not [c for c in router.calls if c[1] == "/props"]  # nothing asked of a model not loaded
     router.load()
     caps = await b.probe()
     assert not caps.sleeping and caps.process_url == f"http://127.0.0.1:{router.port}"
     assert caps.total_slots == 2 and caps.n_ctx == 2048
     router.exit(0)
-    assert (await b.probe()).total_slots == 2  # the slots it had are kept while it is away
+    caps = await b.probe()
+    assert caps.total_slots == 2 and caps.props["slots_known"]  # the slots it had, kept while it is away
+
+
+async def test_the_slots_of_a_model_never_loaded_are_what_its_arguments_say() -> None:
+    router = FakeRouter()
+    router.status["args"] += ["--parallel", "3"]
+    caps = await backend(router).probe()
+    assert caps.sleeping and caps.total_slots == 3 and caps.props["slots_known"]
 
 
 async def test_wake_loads_the_model_and_waits_for_it() -> None:
