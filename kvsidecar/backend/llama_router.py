@@ -51,6 +51,7 @@ class RouterModel:
     status: str
     port: int | None = None  # the child's port (`--port` in its arguments), while it runs
     parallel: int | None = None  # its slots, when its arguments say (`--parallel`)
+    slot_save_path: str | None = None  # where its slots are saved (`--slot-save-path`, the router's own)
     failed: bool = False
     exit_code: int | None = None
 
@@ -91,6 +92,29 @@ def _last_int(args: Any, flags: tuple[str, ...]) -> int | None:
     return found
 
 
+def _last_str(args: Any, flag: str) -> str | None:
+    if not isinstance(args, list):
+        return None
+    found = [v for f, v in itertools.pairwise(args) if f == flag and isinstance(v, str) and v]
+    return found[-1] if found else None
+
+
+def server_entries(base_url: str, models: dict[str, RouterModel]) -> dict[str, dict[str, Any]]:
+    """The `servers:` entries of a router's models (`kvsidecar config router`): one per model, named after
+    it (letters, digits, `-` and `_`), its slots managed when its arguments give it more than one."""
+    out: dict[str, dict[str, Any]] = {}
+    for model in models.values():
+        name = "".join(c if c.isascii() and (c.isalnum() or c in "-_") else "-" for c in model.id)[:64]
+        while name in out or not name:
+            name += "_"
+        entry: dict[str, Any] = {"base_url": base_url, "model": model.id}
+        if model.slot_save_path is not None:
+            entry["snapshot_dir"] = model.slot_save_path
+        entry["mode"] = "managed-slots" if (model.parallel or 0) > 1 else "single-slot"
+        out[name] = entry
+    return out
+
+
 def _port(args: Any) -> int | None:
     """The child's port (`--port`; 0 before the router picked one)."""
     port = _last_int(args, ("--port",))
@@ -120,6 +144,7 @@ def parse_models(data: Any) -> dict[str, RouterModel]:
             status=value if isinstance(value, str) else "unknown",
             port=_port(status.get("args")),
             parallel=_parallel(status.get("args")),
+            slot_save_path=_last_str(status.get("args"), "--slot-save-path"),
             failed=status.get("failed") is True,
             exit_code=code if isinstance(code, int) and not isinstance(code, bool) else None,
         )
@@ -294,6 +319,15 @@ class RouterModelBackend(LlamaCppBackend):
             await asyncio.sleep(LOAD_POLL_S)
 
 
+async def read_router(base_url: str, *, api_key: str | None = None) -> dict[str, RouterModel]:
+    """A router's models (`GET /models`), for `kvsidecar config router`; a failure is a `BackendError`."""
+    backend = LlamaCppBackend(base_url=base_url, api_key=api_key)
+    try:
+        return parse_models(await backend._request("GET", "/models", what="router /models"))
+    finally:
+        await backend.aclose()
+
+
 def backend_for(server: Any, *, name: str | None = None) -> LlamaCppBackend:
     """The backend of one `ServerConfig`: a router's model, or a llama-server of its own."""
     if getattr(server, "model", None) is not None:
@@ -308,5 +342,7 @@ __all__ = [
     "Unload",
     "backend_for",
     "parse_models",
+    "read_router",
+    "server_entries",
     "unload_cause",
 ]

@@ -13,6 +13,7 @@ from kvsidecar.backend.llama_router import (
     RouterModelBackend,
     backend_for,
     parse_models,
+    server_entries,
     unload_cause,
 )
 from kvsidecar.backend.llamacpp import LlamaCppBackend
@@ -208,3 +209,31 @@ async def test_a_router_configured_as_one_llama_server_is_refused_with_what_to_d
     plain = LlamaCppBackend(base_url="http://router", transport=httpx.MockTransport(router.handle))
     with pytest.raises(BackendUnsupported, match=r"is a router .* with `model:`"):
         await plain.probe()
+
+
+def test_server_entries_of_a_router_s_models() -> None:
+    models = parse_models(
+        {
+            "data": [
+                {
+                    "id": "org/coder:Q4",
+                    "status": {"value": "unloaded", "args": ["--slot-save-path", "/s", "-np", "2"]},
+                },
+                {"id": "org/coder_Q4", "status": {"value": "loaded", "args": ["--port", "5"]}},
+                {"id": "../..", "status": {}},
+            ]
+        }
+    )
+    entries = server_entries("http://r:1", models)
+    assert list(entries) == [
+        "org-coder-Q4",
+        "org-coder_Q4",
+        "-----",
+    ]  # no two alike, nothing but [A-Za-z0-9_-]
+    assert entries["org-coder-Q4"] == {
+        "base_url": "http://r:1",
+        "model": "org/coder:Q4",
+        "snapshot_dir": "/s",
+        "mode": "managed-slots",
+    }
+    assert entries["org-coder_Q4"]["mode"] == "single-slot" and "snapshot_dir" not in entries["org-coder_Q4"]
