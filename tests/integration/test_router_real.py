@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvsidecar.client import KvSidecar
 from kvsidecar.testing.daemon import DaemonProcess
 from kvsidecar.testing.llama import vocab_dir, words
 from kvsidecar.testing.poll import eventually
@@ -133,5 +134,41 @@ def test_a_child_killed_is_reported_and_its_session_comes_back(router: LlamaRout
         outcome, _, cache_n = s.turn("A1", "alpha")
         assert outcome == "restored", outcome
         assert cache_n >= 0.95 * (p1 + c1), (cache_n, p1 + c1)
+
+        router.unload("alpha")  # an operator's POST /models/unload: neither kvsidecar's nor a crash
+        eventually(
+            lambda: s.status()["router_models"]["local"]["unloads"].get("router") == 1,
+            timeout_s=60,
+            what="the operator's unload of alpha in status",
+        )
+    finally:
+        daemon.stop()
+
+
+def test_the_hook_api_names_the_model_its_lease_is_for(router: LlamaRouter, tmp_path: Path) -> None:
+    """An acquire over the hook API names the model: its lease is a slot of that model's child, which a
+    request to the router with that `model` and the lease's `id_slot` runs on."""
+    daemon = daemon_for(router, tmp_path / "d").start()
+    try:
+        prompt = words("H", TURN_TOKENS)
+        for turn in (1, 2):
+            with (
+                KvSidecar(daemon.url, token=daemon.token) as kv,
+                kv.acquire("H", provider="local", model="beta") as lease,
+            ):
+                body = {
+                    "model": "beta",
+                    "prompt": prompt,
+                    "n_predict": 2,
+                    "cache_prompt": True,
+                    "id_slot": lease.slot_id,
+                }
+                t = httpx.post(f"{router.base_url}/completion", json=body, timeout=300).json()["timings"]
+                lease.report(prompt_tokens=t["prompt_n"], cached_tokens=t["cache_n"])
+            assert router.states() == {"alpha": "unloaded", "beta": "loaded"}  # loaded for the lease
+            if turn == 2:
+                assert lease.outcome == "resident" and t["cache_n"] >= t["prompt_n"], (lease, t)
+        views = httpx.get(f"{daemon.url}/v1/sessions", headers=daemon.auth, timeout=30).json()["sessions"]
+        assert [v["server"] for v in views] == ["beta"], views
     finally:
         daemon.stop()
