@@ -177,6 +177,11 @@ class RuntimeView(BaseModel):
     # `model_identity` is a field, not pydantic's `model_` namespace (older pydantic warns otherwise)
     model_config = ConfigDict(protected_namespaces=())
 
+    state: str = Field(
+        description="what is known of the llama-server now: unknown, probing (its fingerprint being built or "
+        "its canary pending), proven, changed (a check failed; the next probe decides), gone (its process "
+        "ended), unreachable, sleeping"
+    )
     identity: str
     canary: str
     canary_failures: int

@@ -219,6 +219,7 @@ def server_view(
         "last_error": srv.last_error,
         "fingerprint": srv.fingerprint.digest[:16] if srv.fingerprint else None,
         "runtime": {
+            "state": srv.state.value,  # what is known of it now (fingerprint/identity.py)
             "identity": srv.identity_kind,
             "canary": (srv.canary[:12] if srv.canary else "pending") if srv.config.runtime_canary else "off",
             "canary_failures": srv.canary_failures,
