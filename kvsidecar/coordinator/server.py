@@ -38,17 +38,21 @@ import psutil
 from kvsidecar.backend.base import BackendCapabilities, KvBackend
 from kvsidecar.config import Config, Mode, ServerConfig
 from kvsidecar.coordinator.breaker import CircuitBreaker
+from kvsidecar.coordinator.decisions import ModelFacts, save_useless
 from kvsidecar.coordinator.state import Slot
 from kvsidecar.errors import KvError
 from kvsidecar.fingerprint.file_digests import FileDigestCache
 from kvsidecar.fingerprint.llama_process import ProcessInfo, load_identity, model_mappings
+from kvsidecar.fingerprint.memory_class import UNKNOWN
 from kvsidecar.fingerprint.model_files import ModelProof, model_proof
 from kvsidecar.fingerprint.runtime import RuntimeFingerprint, build_fingerprint
+from kvsidecar.fingerprint.server_memory import SWA_FULL_FIX, ServerMemory, read_server_memory
 from kvsidecar.logs import event
 
 log = logging.getLogger("kvsidecar.server")
 
 ProcessFinder = Callable[[str], ProcessInfo | None]
+MemoryReader = Callable[[BackendCapabilities, ProcessInfo | None], ServerMemory]
 
 
 # The restart reasons that prove a new llama-server process (not a server that only looked gone for a while).
@@ -78,6 +82,7 @@ class ServerRuntime:
         digests: FileDigestCache | None,
         process_check: Callable[[ProcessInfo], bool] | None = None,
         mappings: Callable[[int], Any] | None = None,
+        memory_reader: MemoryReader = read_server_memory,
     ) -> None:
         self.name = name
         self.config = config
@@ -94,6 +99,9 @@ class ServerRuntime:
         self.canary: str | None = None  # digest of the runtime canary's KV, made on this instance
         self.canary_failures = 0
         self.process: ProcessInfo | None = None
+        # The model's memory class on this instance (its files and settings), read again at each new one
+        self.memory: ServerMemory | None = None
+        self.memory_reader = memory_reader
         # Held while the server is re-probed and re-fingerprinted: an acquire that needs a fingerprint
         # waits for the one being built instead of starting a second build (a whole-file model hash).
         self.refresh_lock = asyncio.Lock()
@@ -171,15 +179,7 @@ class ServerRuntime:
         if caps.sleeping:  # no model loaded: the next one is read from the path at wake, unknown now
             self._base, self.canary, self.fingerprint = None, None, None
         elif rebuild:
-            self._base = await asyncio.to_thread(
-                build_fingerprint,
-                caps=caps,
-                process=process,
-                runtime_key=self.config.runtime_key,
-                digests=self.digests,
-            )
-            self.canary = None
-            self._compose()
+            await self._rebuild(caps, process)
         self._sync_slots(caps.total_slots)
         if not was_available:
             event(
@@ -193,6 +193,54 @@ class ServerRuntime:
                 local_process=process.pid if process else None,
             )
         return RefreshResult(available=True, restarted=restarted, reason=reason)
+
+    async def _rebuild(self, caps: BackendCapabilities, process: ProcessInfo | None) -> None:
+        """A new fingerprint (the canary asked again) and the model's memory class, for the instance seen."""
+        self._base = await asyncio.to_thread(
+            build_fingerprint,
+            caps=caps,
+            process=process,
+            runtime_key=self.config.runtime_key,
+            digests=self.digests,
+        )
+        self.canary = None
+        self._compose()
+        memory = await asyncio.to_thread(self.memory_reader, caps, process)
+        if self._still(caps, process):  # not a look at an instance that another look has replaced
+            self._learned(memory)
+
+    def _still(self, caps: BackendCapabilities, process: ProcessInfo | None) -> bool:
+        """Is the instance a look read (its process, its model) still the one seen last?"""
+        now = self.process.identity if self.process is not None else None
+        seen = process.identity if process is not None else None
+        return now == seen and self.caps is not None and self.caps.model_path == caps.model_path
+
+    def _learned(self, memory: ServerMemory) -> None:
+        """The model's memory class on this instance: said once (again only when it changes, e.g. a
+        restart with other settings), with what kvsidecar saves for it and, where saves are useless, the
+        fix and its memory figure."""
+        old, self.memory = self.memory, memory
+        if old is not None and old.key == memory.key:
+            return
+        useless = save_useless(ModelFacts.of(memory))
+        m = memory.memory
+        fields: dict[str, Any] = {
+            "server": self.name,
+            "memory": m.kind,
+            "arch": m.arch or None,
+            "restore_keeps": m.restore_keeps if m.kind != UNKNOWN else None,
+            "saves": "off" if useless else "on",
+        }
+        if useless:
+            fields |= {
+                "reason": useless,
+                "n_swa": m.n_swa,
+                "fix": SWA_FULL_FIX,
+                "cost": memory.swa_full_cost(),
+            }
+        elif m.why:
+            fields["why"] = m.why
+        event(log, logging.WARNING if useless else logging.INFO, "kv.backend.memory", **fields)
 
     def set_canary(self, digest: str) -> None:
         self.canary, self.canary_failures = digest, 0
