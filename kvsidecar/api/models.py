@@ -231,6 +231,13 @@ class SwaCacheView(BaseModel):
     mib_swa_full: float = Field(description="the SWA cache with --swa-full, MiB")
 
 
+class SnapshotCostView(BaseModel):
+    bytes_per_token: int = Field(description="what a saved token adds")
+    fixed_bytes: int = Field(
+        description="whatever the length: a recurrent state, an SWA window (headers aside)"
+    )
+
+
 class MemoryView(BaseModel):
     class_: Literal["plain", "swa", "hybrid", "recurrent", "unknown"] = Field(
         alias="class", description="the model's memory class, read from its files and the server's settings"
@@ -244,6 +251,9 @@ class MemoryView(BaseModel):
     settings_read: bool = Field(description="llama-server's command line and environment were both read")
     why: str | None = Field(description="why the class is unknown")
     swa_cache: SwaCacheView | None = Field(description="a sliding-window model's SWA cache, when known")
+    snapshot: SnapshotCostView | None = Field(
+        description="what a snapshot costs, predicted from the model and settings (docs/MODELS.md)"
+    )
     saves: Literal["on", "off"] = Field(description="off: no restore could use a save, none is made")
     reason: Literal["swa_window_not_saved"] | None
     fix: str | None

@@ -89,6 +89,11 @@ def _memory(m: dict[str, Any]) -> str:
         what += f", window {m['n_swa']}, " + ("--swa-full" if m.get("swa_full") else "no --swa-full")
     if m.get("restore_keeps"):
         what += f"; a restore keeps: {m['restore_keeps']}"
+    snapshot = m.get("snapshot")
+    if snapshot:
+        what += (
+            f"; a snapshot: {snapshot['bytes_per_token']:,} B a token + about {snapshot['fixed_bytes']:,} B"
+        )
     if m.get("saves") == "off":
         what += f"; saves off ({m['reason']})\n    fix: {m['fix']}: {m['cost']}"
     return what

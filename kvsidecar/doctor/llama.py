@@ -116,6 +116,8 @@ def memory_check(report: DoctorReport, memory: ServerMemory) -> None:
     sliding-window model without `--swa-full` is a warning: no restore of it is ever reused, so kvsidecar
     saves nothing there, and the fix's memory figure is given."""
     m, what = memory.memory, memory.describe()
+    if memory.snapshot is not None:
+        what += f" ({memory.snapshot.text()})"
     if m.kind == UNKNOWN:
         report.add("model memory", "SKIP", f"cannot tell the model's memory class: {m.why}")
     elif memory.swa_without_full:

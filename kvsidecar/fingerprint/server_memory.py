@@ -1,7 +1,8 @@
 """The memory class of a running llama-server: its model's files as its process sees them, read under its
 settings (`memory_class.model_class`); whether those settings were read whole (its command line and its
 environment: `--swa-full` may come from `LLAMA_ARG_SWA_FULL`); and for a sliding-window model the SWA
-cache's size with and without `--swa-full` (`swa_cache`). Read by the coordinator for each instance of a
+cache's size with and without `--swa-full` (`swa_cache`); and what a snapshot costs, a token and fixed
+(`snapshot_cost`). Read by the coordinator for each instance of a
 server it sees (a restart with other settings reads it again) and by doctor; nothing here is a guess: a
 remote server (no process to read) or an unreadable model file is `unknown`."""
 
@@ -17,6 +18,7 @@ from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.fingerprint.memory_class import SWA, UNKNOWN, MemoryClass, model_class
 from kvsidecar.fingerprint.model_files import model_paths
 from kvsidecar.fingerprint.process_files import ProcessFiles
+from kvsidecar.fingerprint.snapshot_cost import SnapshotCost, snapshot_cost
 from kvsidecar.fingerprint.swa_cache import SwaCache, swa_cache
 
 SWA_FULL_FIX = "add --swa-full to llama-server"
@@ -28,6 +30,7 @@ class ServerMemory:
     memory: MemoryClass
     settings_read: bool  # the process' command line and environment were both read
     swa_cache: SwaCache | None = None  # a sliding-window model's SWA cache, when its figures are known
+    snapshot: SnapshotCost | None = None  # what a snapshot costs, predicted, when its figures are known
 
     @property
     def kind(self) -> str:
@@ -78,6 +81,7 @@ class ServerMemory:
             "settings_read": self.settings_read,
             "why": m.why or None,
             "swa_cache": self.swa_cache.to_dict() if self.swa_cache is not None else None,
+            "snapshot": self.snapshot.to_dict() if self.snapshot is not None else None,
         }
 
 
@@ -102,11 +106,16 @@ def read_server_memory(caps: BackendCapabilities, process: ProcessInfo | None) -
     settings = process.settings
     memory = model_class(paths, settings)
     read = process.environ is not None
-    if memory.kind != SWA:
+    if memory.kind == UNKNOWN:
         return ServerMemory(memory=memory, settings_read=read)
     try:
         meta = read_gguf(paths[0], array_suffixes=_SWA_ARRAYS).meta
     except (OSError, GgufError):
         return ServerMemory(memory=memory, settings_read=read)
-    cache = swa_cache(meta, settings, n_ctx_seq=caps.n_ctx, n_slots=caps.total_slots)
-    return ServerMemory(memory=memory, settings_read=read, swa_cache=cache)
+    cache = (
+        swa_cache(meta, settings, n_ctx_seq=caps.n_ctx, n_slots=caps.total_slots)
+        if memory.kind == SWA
+        else None
+    )
+    cost = snapshot_cost(meta, memory, settings)
+    return ServerMemory(memory=memory, settings_read=read, swa_cache=cache, snapshot=cost)

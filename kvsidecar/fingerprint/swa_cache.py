@@ -105,7 +105,7 @@ def _pad(n: int) -> int:
     return (n + _PAD - 1) // _PAD * _PAD
 
 
-def _ints(value: Any, n: int) -> list[int] | None:
+def per_layer_ints(value: Any, n: int) -> list[int] | None:
     """A per-layer key: an array of n numbers, or one number for every layer."""
     if isinstance(value, list) and len(value) >= n and all(isinstance(v, int) for v in value[:n]):
         return [int(v) for v in value[:n]]
@@ -133,7 +133,7 @@ def swa_layers(meta: Mapping[str, Any], arch: str, n_layer: int) -> list[int] | 
     return [i for i in range(n_layer) if n == 0 or i % n < n - 1]
 
 
-def _row(type_name: str, n: int) -> int | None:
+def row_bytes(type_name: str, n: int) -> int | None:
     size = _TYPE_SIZE.get(type_name)
     if size is None or n % size[1]:
         return None
@@ -143,11 +143,11 @@ def _row(type_name: str, n: int) -> int | None:
 def _cell_bytes(meta: Mapping[str, Any], arch: str, n_layer: int, settings: RuntimeSettings) -> int | None:
     """Bytes of one cell across the SWA layers (K and V), or None where a figure it needs is not known."""
     key = f"{arch}.attention."
-    heads = _ints(meta.get(key + "head_count"), n_layer)
+    heads = per_layer_ints(meta.get(key + "head_count"), n_layer)
     embd = meta.get(f"{arch}.embedding_length")
     if not heads or not heads[0] or not isinstance(embd, int):
         return None
-    kv_heads = _ints(meta.get(key + "head_count_kv"), n_layer) or heads
+    kv_heads = per_layer_ints(meta.get(key + "head_count_kv"), n_layer) or heads
     v_full = meta.get(key + "value_length", embd // heads[0])
     k_len = meta.get(key + "key_length_swa", meta.get(key + "key_length", embd // heads[0]))
     v_len = meta.get(key + "value_length_swa", v_full)
@@ -162,7 +162,7 @@ def _cell_bytes(meta: Mapping[str, Any], arch: str, n_layer: int, settings: Runt
     type_v = settings.effective("cache-type-v") or "f16"
     total = 0
     for il in layers:
-        k, v = _row(type_k, kv_heads[il] * k_len), _row(type_v, kv_heads[il] * v_len)
+        k, v = row_bytes(type_k, kv_heads[il] * k_len), row_bytes(type_v, kv_heads[il] * v_len)
         if k is None or v is None:
             return None
         total += k + v

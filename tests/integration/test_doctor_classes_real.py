@@ -3,7 +3,8 @@ gated-delta-net hybrid (qwen35), a Mamba2 hybrid (granitehybrid), and a sliding-
 gemma3-swa, window 128, and Gemma 3 270M, window 512) with and without --swa-full. Each answers its
 verdict (supported / broken) with the evidence: what llama-server reused after a restore for the same
 prompt plus new tokens and for one diverging before the saved end, the SWA positions the file holds, and
-what a snapshot costs a token and fixed (docs/MODELS.md)."""
+what a snapshot costs a token and fixed (docs/MODELS.md), which the model memory check predicts from the
+model."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def test_a_plain_model_is_supported_for_any_common_prefix(start_llama: StartServ
     assert ev["divergent_reused"] == ev["saved_tokens"] - DIVERGE  # the common prefix
     # the tiny llama: 4 layers x (K + V) of 512 f16 values a cell, plus the cell's own 16 bytes
     assert (ev["bytes_per_token"], ev["fixed_bytes"]) == (4112, 148)
-    assert "any common prefix" in checks(found)["model memory"]["detail"]
+    memory = checks(found)["model memory"]["detail"]
+    assert "any common prefix" in memory and "(a snapshot costs 4,112 B a token + about 0 B fixed)" in memory
 
 
 @pytest.mark.parametrize(
@@ -80,6 +82,8 @@ def test_a_hybrid_model_is_supported_for_exact_extensions_only(
     assert code == 0 and found["result"] == "READY", found  # a hybrid model is no longer a warning
     memory = checks(found)["model memory"]
     assert memory["status"] == "OK" and f"3 {recurrent} layers, 1 attention layers" in memory["detail"]
+    # predicted from the model (status says the same) and measured by the check: the same bytes a token
+    assert f"(a snapshot costs {per_token} B a token + about " in memory["detail"]
     compat = found["compatibility"]
     ev = compat["evidence"]
     assert compat["verdict"] == "supported" and compat["memory"]["class"] == "hybrid"

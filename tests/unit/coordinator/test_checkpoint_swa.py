@@ -101,11 +101,13 @@ async def test_said_once_in_the_log_and_in_status_with_the_fix_and_its_figure(
         memory["cost"] == "--swa-full takes the SWA cache from 0.94 to 5 MiB (768 -> 4,096 cells, 5 layers)"
     )
     assert memory["swa_cache"]["mib"] == 0.94 and memory["swa_cache"]["mib_swa_full"] == 5.0
+    # a token: its id, its cell and the one global layer's K and V; fixed: the 5 SWA layers' 128 cells
+    assert memory["snapshot"] == {"bytes_per_token": 272, "fixed_bytes": 128 * (12 + 5 * 256)}
     text = render_status(h.coordinator.status())  # `kvsidecar status`
     assert (
-        "  model memory: swa (gemma3), window 128, no --swa-full; a restore keeps: nothing; saves off "
-        "(swa_window_not_saved)\n    fix: add --swa-full to llama-server: --swa-full takes the SWA cache "
-        "from 0.94 to 5 MiB"
+        "  model memory: swa (gemma3), window 128, no --swa-full; a restore keeps: nothing; a snapshot: 272 B "
+        "a token + about 165,376 B; saves off (swa_window_not_saved)\n    fix: add --swa-full to "
+        "llama-server: --swa-full takes the SWA cache from 0.94 to 5 MiB"
     ) in text
     caplog.set_level(logging.INFO, logger="kvsidecar")
     srv = h.coordinator.servers["local"]

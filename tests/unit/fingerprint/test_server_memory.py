@@ -32,11 +32,13 @@ def test_each_class_from_the_running_server(tmp_path: Path) -> None:
     assert m.swa_without_full and m.swa_cache is not None and m.swa_cache.cells == 768
     assert m.describe() == "sliding-window model (gemma3, window 128) without --swa-full"
     assert m.to_dict()["swa_cache"]["mib_swa_full"] == 20.0
+    assert m.to_dict()["snapshot"] == {"bytes_per_token": 272, "fixed_bytes": 128 * (12 + 5 * 256)}
     full = read_server_memory(caps(str(swa)), process_running(swa, environ={"LLAMA_ARG_SWA_FULL": "true"}))
     assert full.memory.swa_full and not full.swa_without_full and full.memory.restore_keeps == "extension"
     hybrid = hybrid_gguf(tmp_path)
     h = read_server_memory(caps(str(hybrid)), process_running(hybrid))
     assert h.kind == HYBRID and h.swa_cache is None and "3 mamba2 layers, 1 attention layers" in h.describe()
+    assert h.snapshot is None  # this file names no ssm sizes: its recurrent state, so its cost, is not known
     plain = plain_gguf(tmp_path)
     assert read_server_memory(caps(str(plain)), process_running(plain)).kind == PLAIN
 
