@@ -45,6 +45,7 @@ import psutil
 from kvsidecar.backend.base import BackendCapabilities, KvBackend
 from kvsidecar.config import Config, Mode, ServerConfig
 from kvsidecar.coordinator.breaker import CircuitBreaker
+from kvsidecar.coordinator.decisions import ModelFacts, save_useless
 from kvsidecar.coordinator.state import Slot
 from kvsidecar.errors import KvError
 from kvsidecar.fingerprint.file_digests import FileDigestCache
@@ -56,14 +57,16 @@ from kvsidecar.fingerprint.identity import (
     RuntimeKey,
 )
 from kvsidecar.fingerprint.llama_process import ProcessInfo, load_identity, model_mappings
-from kvsidecar.fingerprint.memory_class import MemoryClass, loaded_model_class
+from kvsidecar.fingerprint.memory_class import UNKNOWN, MemoryClass, loaded_model_class
 from kvsidecar.fingerprint.model_files import ModelProof, model_proof
 from kvsidecar.fingerprint.runtime import RuntimeFingerprint, build_fingerprint
+from kvsidecar.fingerprint.server_memory import SWA_FULL_FIX, ServerMemory, read_server_memory
 from kvsidecar.logs import event
 
 log = logging.getLogger("kvsidecar.server")
 
 ProcessFinder = Callable[[str], ProcessInfo | None]
+MemoryReader = Callable[[BackendCapabilities, ProcessInfo | None], ServerMemory]
 
 __all__ = ["NEW_PROCESS", "ProcessFinder", "RefreshResult", "ServerRuntime", "build_servers", "process_alive"]
 
@@ -82,6 +85,7 @@ class ServerRuntime:
         mappings: Callable[[int], Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         model: str | None = None,
+        memory_reader: MemoryReader = read_server_memory,
     ) -> None:
         self.name = name
         self.config = config
@@ -96,6 +100,10 @@ class ServerRuntime:
         self.identity = RuntimeIdentity(
             key=RuntimeKey(name, model), canary=lambda: self.config.runtime_canary, clock=clock
         )
+        # The model's memory class on this instance, with its settings and costs (doctor's and status' figure;
+        # written by `_learned` alone, read again at each new instance)
+        self._memory: ServerMemory | None = None
+        self.memory_reader = memory_reader
         # Held while the server is re-probed and re-fingerprinted: an acquire that needs a fingerprint
         # waits for the one being built instead of starting a second build (a whole-file model hash).
         self.refresh_lock = asyncio.Lock()
@@ -133,6 +141,11 @@ class ServerRuntime:
         """The complete fingerprint of the instance proven (None until every part, the KV canary included,
         is known, and while a check says the server may not be that instance any more)."""
         return self.identity.now.shown
+
+    @property
+    def memory(self) -> ServerMemory | None:
+        """The model's memory class on the instance last seen, its settings and what a snapshot costs."""
+        return self._memory
 
     @property
     def canary(self) -> str | None:
@@ -214,6 +227,9 @@ class ServerRuntime:
                 _build, caps, process, self.config.runtime_key, self.digests
             )
             self.identity.fingerprinted(base, memory)
+            read = await asyncio.to_thread(self.memory_reader, caps, process)
+            if self._still(caps, process):  # not a look at an instance another look has replaced
+                self._learned(read)
         self._sync_slots(caps.total_slots)
         if not was_available:
             fingerprint = self.fingerprint
@@ -228,6 +244,39 @@ class ServerRuntime:
                 local_process=process.pid if process else None,
             )
         return result
+
+    def _still(self, caps: BackendCapabilities, process: ProcessInfo | None) -> bool:
+        """Is the instance a look read (its process, its model) still the one seen last?"""
+        now = self.process.identity if self.process is not None else None
+        seen = process.identity if process is not None else None
+        return now == seen and self.caps is not None and self.caps.model_path == caps.model_path
+
+    def _learned(self, memory: ServerMemory) -> None:
+        """The model's memory class on this instance: said once (again only when it changes, e.g. a
+        restart with other settings), with what kvsidecar saves for it and, where saves are useless, the
+        fix and its memory figure."""
+        old, self._memory = self._memory, memory
+        if old is not None and old.key == memory.key:
+            return
+        useless = save_useless(ModelFacts.of(memory))
+        m = memory.memory
+        fields: dict[str, Any] = {
+            "server": self.name,
+            "memory": m.kind,
+            "arch": m.arch or None,
+            "restore_keeps": m.restore_keeps if m.kind != UNKNOWN else None,
+            "saves": "off" if useless else "on",
+        }
+        if useless:
+            fields |= {
+                "reason": useless,
+                "n_swa": m.n_swa,
+                "fix": SWA_FULL_FIX,
+                "cost": memory.swa_full_cost(),
+            }
+        elif m.why:
+            fields["why"] = m.why
+        event(log, logging.WARNING if useless else logging.INFO, "kv.backend.memory", **fields)
 
     def set_canary(self, digest: str) -> None:
         """The canary measured on this instance (the identity keeps it while the instance is being proven)."""
