@@ -235,5 +235,37 @@ def main() -> None:
     print(write(args.name, result))
 
 
+def section(d: dict[str, Any]) -> list[str]:
+    """The docs/BENCHMARKS.md section for a result of this script."""
+    m, sz, runs = d["machine"], d["sizes"], d["runs"]
+
+    def total(way: str, field: str) -> int:
+        return sum(r[way][field] for r in runs)
+
+    lines = [
+        "## A conversation's next turn with no session ids: the agent workload, kvsidecar vs llama-server alone",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['date']}; `bench/bench_turns.py`, {len(runs)} runs. Three "
+        f"agents at once on `--parallel 2` (`--jinja`, Qwen3-Coder's template), no session ids: each grows a main "
+        f"context from {sz['first']:,} tokens in {sz['main_turns']} steps of {sz['step']:,} (replies of "
+        f"{sz['reply']} tokens sent back verbatim, each next turn sent the instant the previous stream ends), then "
+        f"two unrelated {sz['sub']:,}-token sub-agent contexts, then back to its main context. kvsidecar: the "
+        "proxy (content identity) with llama-server at `--cache-ram 0`; alone: llama-server with its defaults. A "
+        "continuation is warm when it reused at least 98% of the previous turn's prompt.",
+        "",
+        "| way | runs with every continuation recognized | continuations warm | main contexts warm after "
+        "their sub-agents | tokens reused of the continuations' prompt tokens |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for way, label in (("kvsidecar", "kvsidecar"), ("alone", "llama-server alone")):
+        recognized = f"{d['runs_all_recognized']} / {len(runs)}" if way == "kvsidecar" else "—"
+        lines.append(
+            f"| {label} | {recognized} | {total(way, 'warm')} / {total(way, 'continuations')} "
+            f"| {total(way, 'back_warm')} / {total(way, 'back')} "
+            f"| {total(way, 'reused'):,} / {total(way, 'prompt'):,} |"
+        )
+    return [*lines, ""]
+
+
 if __name__ == "__main__":
     main()

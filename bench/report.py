@@ -686,6 +686,12 @@ def section_clients(d: dict[str, Any]) -> list[str]:
     return section(d)
 
 
+def section_turns(d: dict[str, Any]) -> list[str]:
+    from bench_turns import section  # bench/ is on sys.path when this script runs
+
+    return section(d)
+
+
 def section_router(d: dict[str, Any]) -> list[str]:
     from bench_router import section  # bench/ is on sys.path when this script runs
 
@@ -721,12 +727,13 @@ def render() -> str:
         ("agent", section_agent, "agent"),
         ("fleet", section_fleet, "fleet"),
         ("clients", section_clients, "clients"),
+        ("turns", section_turns, "turns"),
         ("router", section_router, "router"),
     )
     for name, fn, note in sections:
         data = load(name)
-        if data is None and name == "agent":  # until the full variant has been run
-            data = load("agent-quick")
+        if data is None and name in ("agent", "turns"):  # until the full variant has been run
+            data = load(f"{name}-quick")
         if data is not None:
             parts += fn(data)
             parts += notes(note)

@@ -151,7 +151,8 @@ class Metrics:
             PREFIX + "save_skipped",
             "Evictions without a save, by reason (recompute_cheaper: the last snapshot is a prefix of the "
             "slot and recomputing the rest is predicted cheaper than writing it; not_owner: fleet mode, "
-            "another host owns the session now)",
+            "another host owns the session now; swa_window_not_saved: a sliding-window model without "
+            "--swa-full, whose saves no restore could use: any save, unsaved turns written off)",
             ["server", "reason"],
             registry=r,
         )

@@ -177,6 +177,11 @@ class RuntimeView(BaseModel):
     # `model_identity` is a field, not pydantic's `model_` namespace (older pydantic warns otherwise)
     model_config = ConfigDict(protected_namespaces=())
 
+    state: str = Field(
+        description="what is known of the llama-server now: unknown, probing (its fingerprint being built or "
+        "its canary pending), proven, changed (a check failed; the next probe decides), gone (its process "
+        "ended), unreachable, sleeping"
+    )
     identity: str
     canary: str
     canary_failures: int
@@ -221,6 +226,43 @@ class PersistenceNow(BaseModel):
     )
 
 
+class SwaCacheView(BaseModel):
+    layers: int = Field(description="the model's sliding-window layers")
+    streams: int = Field(description="1 with a unified KV cache, else one per slot")
+    cells: int = Field(description="cells a stream of the SWA cache has without --swa-full")
+    cells_full: int = Field(description="and with it (every position of a slot's context)")
+    bytes_per_cell: int
+    mib: float = Field(description="the SWA cache without --swa-full, MiB")
+    mib_swa_full: float = Field(description="the SWA cache with --swa-full, MiB")
+
+
+class SnapshotCostView(BaseModel):
+    bytes_per_token: int = Field(description="what a saved token adds")
+    fixed_bytes: int = Field(description="whatever the length: a recurrent state, an SWA window")
+
+
+class MemoryView(BaseModel):
+    class_: Literal["plain", "swa", "hybrid", "recurrent", "unknown"] = Field(
+        alias="class", description="the model's memory class, read from its files and the server's settings"
+    )
+    arch: str | None
+    n_swa: int = Field(description="the sliding window (0: none)")
+    swa_full: bool
+    restore_keeps: Literal["prefix", "extension", "nothing"] | None = Field(
+        description="what a restored state can give the next prompt (docs/MODELS.md); null when unknown"
+    )
+    settings_read: bool = Field(description="llama-server's command line and environment were both read")
+    why: str | None = Field(description="why the class is unknown")
+    swa_cache: SwaCacheView | None = Field(description="a sliding-window model's SWA cache, when known")
+    snapshot: SnapshotCostView | None = Field(
+        description="what a snapshot costs, predicted from the model and settings (docs/MODELS.md)"
+    )
+    saves: Literal["on", "off"] = Field(description="off: no restore could use a save, none is made")
+    reason: Literal["swa_window_not_saved"] | None
+    fix: str | None
+    cost: str | None = Field(description="what the fix costs in memory")
+
+
 class ServerView(BaseModel):
     name: str
     kind: str
@@ -237,6 +279,10 @@ class ServerView(BaseModel):
     last_error: str | None
     fingerprint: str | None
     runtime: RuntimeView
+    memory: MemoryView | None = Field(
+        description="the model's memory class on this instance and whether its slots are saved; null "
+        "until the server was read"
+    )
     slots: list[SlotView]
     warnings: list[SetupWarningView] = Field(
         description="setup problems persistence cannot work around (empty when none, or when the "
@@ -321,11 +367,42 @@ class DoctorCheck(BaseModel):
     fix: str
 
 
+class CompatibilityEvidence(BaseModel):
+    cold_tokens: int
+    saved_tokens: int
+    restored_tokens: int
+    extension_tokens: int = Field(description="the same prompt plus a few new tokens")
+    extension_reused: int = Field(description="llama-server's cache_n for it after the restore")
+    diverge_before_end: int
+    divergent_reused: int | None = Field(
+        description="cache_n after a second restore for a prompt diverging diverge_before_end tokens "
+        "before the saved end (asked only when the extension was reused)"
+    )
+    swa_window_saved: list[int] | None = Field(
+        description="the first and last position the probe file's SWA layers hold (sliding-window models)"
+    )
+    bytes_per_token: int | None = Field(
+        description="what a snapshot costs a token, from two probe saves' sizes (P, then P + new)"
+    )
+    fixed_bytes: int | None = Field(
+        description="and what it costs whatever its length (a recurrent state, an SWA window, headers)"
+    )
+
+
+class Compatibility(BaseModel):
+    verdict: Literal["supported", "experimental", "broken"] = Field(
+        description="spec §61 for this server's memory class (docs/MODELS.md, What doctor says)"
+    )
+    memory: dict[str, Any] = Field(description="the memory class read from the model and settings")
+    evidence: CompatibilityEvidence
+
+
 class DoctorServer(BaseModel):
     server: str
     endpoint: str
     result: Verdict
     checks: list[DoctorCheck]
+    compatibility: Compatibility | None = Field(description="with deep=true: the §61 check; else null")
 
 
 class DoctorResponse(BaseModel):

@@ -93,6 +93,41 @@ def _constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not JSON")
 
 
+# llama-server's parser keeps an integer as int64 or uint64; one beyond them becomes a double (or fails
+# past a double's range), which its handlers then read as an integer field: refused here.
+_INT_MIN: Final = -(2**63)
+_INT_MAX: Final = 2**64 - 1
+# a `\u` escape of a UTF-16 surrogate: only a high one followed by a low one is a character
+_SURROGATE_ESCAPE: Final = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _integer(text: str) -> int:
+    if len(text) > 21:  # 2**64 - 1 has 20 digits: never hand a longer one to int()
+        raise ValueError(f"{text[:20]}... is beyond a 64-bit integer")
+    value = int(text)
+    if not _INT_MIN <= value <= _INT_MAX:
+        raise ValueError(f"{text} is beyond a 64-bit integer")
+    return value
+
+
+def _no_lone_surrogate(value: Any) -> None:
+    """Every string (and key) of the value is Unicode text: a lone surrogate escape (`"\\ud800"`) is
+    refused as llama-server refuses it. The value's nesting is already bounded (the pre-scan)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a string holds a lone UTF-16 surrogate escape") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
 def _finite(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):  # 1e400: llama-server's parser refuses it too
@@ -109,7 +144,12 @@ def read_json(body: bytes) -> Any:
     except UnicodeDecodeError:
         raise BadRequest("the request body is not UTF-8 text") from None
     try:
-        return json.loads(text, object_hook=_Objects(), parse_constant=_constant, parse_float=_finite)
+        value = json.loads(
+            text, object_hook=_Objects(), parse_constant=_constant, parse_float=_finite, parse_int=_integer
+        )
+        if _SURROGATE_ESCAPE.search(text):
+            _no_lone_surrogate(value)
+        return value
     except (ValueError, RecursionError) as exc:
         raise BadRequest(f"the request body is not JSON: {str(exc)[:200]}") from None
 

@@ -56,6 +56,9 @@ def render_status(s: dict[str, Any]) -> str:
             f"server {srv['name']} ({srv['endpoint']}): {'up' if srv['available'] else 'DOWN'}, "
             f"{persistence_state(srv, s.get('enabled', True))}, mode {srv['mode']}"
         )
+        memory = srv.get("memory")
+        if memory:
+            out.append(f"  model memory: {_memory(memory)}")
         for w in srv.get("warnings", []):
             out.append(f"  warning {w['code']}: {w['message']}\n    fix: {w['fix']}")
         out.append(
@@ -77,6 +80,23 @@ def render_status(s: dict[str, Any]) -> str:
         f" ({st['save_failures']} failed), ineffective restores {st['restore_ineffective']}"
     )
     return "\n".join(out)
+
+
+def _memory(m: dict[str, Any]) -> str:
+    """The model's memory class and what a restore keeps; where saves are off, why, the fix and its cost."""
+    what = str(m["class"]) + (f" ({m['arch']})" if m.get("arch") else "")
+    if m.get("n_swa"):
+        what += f", window {m['n_swa']}, " + ("--swa-full" if m.get("swa_full") else "no --swa-full")
+    if m.get("restore_keeps"):
+        what += f"; a restore keeps: {m['restore_keeps']}"
+    snapshot = m.get("snapshot")
+    if snapshot:
+        what += (
+            f"; a snapshot: {snapshot['bytes_per_token']:,} B a token + about {snapshot['fixed_bytes']:,} B"
+        )
+    if m.get("saves") == "off":
+        what += f"; saves off ({m['reason']})\n    fix: {m['fix']}: {m['cost']}"
+    return what
 
 
 def _outcome(v: dict[str, Any]) -> str:

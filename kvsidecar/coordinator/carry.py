@@ -38,11 +38,12 @@ from kvsidecar.errors import KvError, SaveFailed, SnapshotCorrupt
 from kvsidecar.fingerprint.gguf_meta import GgufError, read_metadata, sliding_window
 from kvsidecar.fingerprint.runtime import RuntimeFingerprint
 from kvsidecar.fingerprint.savepath import llama_save_dir
-from kvsidecar.store.carryover import ROWS_TO_PROVE, RowsProof, Verdicts, build_only_difference, rows_match
+from kvsidecar.store.carryover import ROWS_TO_PROVE, RowsProof, Verdicts, rows_match
 from kvsidecar.store.integrity import checksum_from_fd
 from kvsidecar.store.manifest import GenerationRecord
 from kvsidecar.store.snapshots import Rejection, SnapshotStore
 from kvsidecar.store.state_format import ModelFacts, StateFormatError, convert_v3_to_v4, parse, text_tokens
+from kvsidecar.store.trust import Decision, Saved, proven, trust
 
 CARRIED = "CARRIED_OVER_BUILD"
 _CARRY_REASONS = frozenset({"BUILD_CHANGED"})
@@ -99,16 +100,13 @@ class CarryOver:
             if rej.reason not in _CARRY_REASONS or rec is None or not rec.valid:
                 continue
             old = self.store.fingerprint_components(rec.fingerprint)
-            why = (
-                "the old runtime is not on record"
-                if old is None
-                else build_only_difference(old, fingerprint.components)
-            )
-            if why is not None:
-                self.telemetry.carry_over(srv.name, rt, "refused", why)
+            saved = Saved(fingerprint=rec.fingerprint, components=old, tokens=rec.tokens)
+            verdict = trust(saved, proven(fingerprint))  # the one trust rule: only the build may differ
+            if verdict.decision not in (Decision.CARRY, Decision.PROVE):
+                self.telemetry.carry_over(srv.name, rt, "refused", verdict.detail)
                 return "CARRY_OVER_REFUSED"
             try:
-                return await self._carry(load, srv, slot, rt, rec, fingerprint)
+                return await self._carry(load, srv, slot, rt, rec, fingerprint, saved)
             except KvError as exc:
                 self.telemetry.carry_over(srv.name, rt, "failed", exc.message)
                 return exc.code
@@ -126,15 +124,18 @@ class CarryOver:
         rt: SessionRuntime,
         rec: GenerationRecord,
         fp: RuntimeFingerprint,
+        saved: Saved,
     ) -> str | None:
         table = self._table()
-        # A verdict from a proof over fewer rows than this snapshot offers does not serve it: prove again.
-        verdict = table.get(rec.fingerprint, fp.digest, min_rows=min(ROWS_TO_PROVE, rec.tokens))
+        # A verdict from a proof over fewer rows than this snapshot offers does not serve it (the trust
+        # rule's PROVE): prove again.
+        rows = table.rows(rec.fingerprint, fp.digest)
+        verdict = trust(saved, proven(fp), proven_rows=rows).decision is Decision.CARRY
         version = self._versions.get(fp.digest)
         detail = "remembered verdict"
-        if verdict is not True or version is None:
-            proven = await self._prove(load, srv, slot, rec, fp)
-            verdict, version, detail = proven.equal, proven.version, proven.detail
+        if not verdict or version is None:
+            proof = await self._prove(load, srv, slot, rec, fp)
+            verdict, version, detail = proof.equal, proof.version, proof.detail
         if not verdict:
             why = f"the new build computes other KV ({detail})"
             self.telemetry.carry_over(srv.name, rt, "different", why)

@@ -17,6 +17,8 @@ them, and acts on the answers: timers, saves, counters (spec §26-29, §50, §58
   (`decisions.protect_check_in`) finds an idle moment that comes while nothing is given back.
 - `on_event()`: lifecycle hints (`flush`, `turn_end`, `step_end`, `disposed`) as configured.
 - `checkpoint_all()`: shutdown, and a planned stop of a server (`kvsidecar checkpoint`).
+- saves nothing can use (`decisions.save_useless`: SWA without `--swa-full`): none of the above; the
+  unsaved turns are written off (and counted) where a save would have been.
 
 A request for another slot that arrives during a background save cannot interrupt it inside llama-server:
 its first token is late by at most the rest of that save (the predictions keep those saves to idle gaps).
@@ -37,7 +39,7 @@ from kvsidecar.coordinator.breaker import BreakerState
 from kvsidecar.coordinator.costs import CostModel, Costs
 from kvsidecar.coordinator.decisions import PROTECT_FORCED as PROTECT_FORCED  # re-exported: the triggers
 from kvsidecar.coordinator.decisions import PROTECT_PREDICTED as PROTECT_PREDICTED
-from kvsidecar.coordinator.decisions import Rules
+from kvsidecar.coordinator.decisions import ModelFacts, Rules
 from kvsidecar.coordinator.facts import Moment
 from kvsidecar.coordinator.pool import CLEANING, SlotPool, aux_slot_id, owner_slot
 from kvsidecar.coordinator.save import Saver
@@ -100,7 +102,8 @@ class CheckpointPolicy:
         self.pool.vacate(slot)
         if rt is None:
             return None
-        if rt.dirty and self.config.checkpoint.on_switch and not self._skip_save(srv, rt):
+        save = rt.dirty and self.config.checkpoint.on_switch and not self._useless(srv, rt, "switch")
+        if save and not self._skip_save(srv, rt):
             if before_save is not None:
                 before_save()
             # overlap: the commit (checksum, manifest) runs while the slot's next session restores
@@ -120,6 +123,16 @@ class CheckpointPolicy:
         self.telemetry.save_skipped(srv.name, rt, "recompute_cheaper", skip.recompute_s, skip.save_s)
         return True
 
+    def _useless(self, srv: ServerRuntime, rt: SessionRuntime | None, trigger: str) -> bool:
+        """No save of this server's slots could ever be restored (decisions.save_useless): True, and the
+        session's unsaved turns (if any) are written off and counted, not saved."""
+        reason = decisions.save_useless(ModelFacts.of(srv.memory))
+        if reason is None:
+            return False
+        if rt is not None and self.sessions.give_up_unsaved(rt):
+            self.telemetry.save_useless(srv.name, rt, trigger, reason)
+        return True
+
     async def checkpoint(self, rt: SessionRuntime, trigger: str, *, only_revision: int | None = None) -> bool:
         """Save a session where it is resident, waiting for its slot to be free. False if nothing saved."""
         srv = self.servers.get(rt.identity.server)
@@ -127,6 +140,8 @@ class CheckpointPolicy:
             return False
         if only_revision is not None and rt.dirty_revision != only_revision:
             return False  # an old timer: a newer request rescheduled it (spec §71)
+        if self._useless(srv, rt, trigger):
+            return False
         slot = await self.pool.take(srv, rt.key, trigger, srv.config.slot_wait_s)
         try:
             if slot.owner != rt.key:  # ownership moved while we waited; save-before-evict handled it
@@ -323,6 +338,8 @@ class CheckpointPolicy:
         slot = owner_slot(srv, rt.key) if srv else None
         if srv is None or slot is None or not rt.dirty or not self._cleaning_on():
             return False
+        if self._useless(srv, rt, CLEANING):
+            return False
         moment = self._moment(srv, coming=self.switches_coming(srv))
         session = facts.session_facts(rt.key, rt, moment.now, cleaning=rt.key in self._cleaning)
         verdict = decisions.clean_ahead(moment.server, slot.id, session, self._costs(srv.name), self._rules())
@@ -370,7 +387,7 @@ class CheckpointPolicy:
         second background save starts). True if one was started."""
         if not self.active or not srv.available or srv.fingerprint is None:
             return False
-        if srv.breaker.state is BreakerState.OPEN:
+        if srv.breaker.state is BreakerState.OPEN or self._useless(srv, None, "protect"):
             return False
         server, owners, now = moment or self._moment(srv)
         choice = decisions.protect_choice(server, owners, self._costs(srv.name), self._rules(), now)

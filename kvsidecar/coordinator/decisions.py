@@ -33,6 +33,13 @@ session's own slot free:
   it: half a bound has passed, or recomputing the tokens it protects would take longer than the save.
 Never a background save predicted to outlast half an acquire's wait: the session's own request, arriving
 during it, must not time out waiting for it.
+
+*Saves nothing can use* (`save_useless`): a sliding-window model that llama-server runs without
+`--swa-full` writes only the window's positions of its SWA layers, and llama-server then resets even for
+a prompt that extends every saved token (docs/MODELS.md): no restore of such a file is ever reused. Every
+save of such a server is skipped (`SWA_WINDOW_NOT_SAVED`), whatever its trigger. Only where the class was
+read from the running server and its settings were read whole (an `--swa-full` may come from its
+environment); an unknown class saves as before.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ from typing import NamedTuple
 
 from kvsidecar.config import CheckpointConfig
 from kvsidecar.coordinator.costs import Costs, median
+from kvsidecar.fingerprint.memory_class import SWA, UNKNOWN
+from kvsidecar.fingerprint.server_memory import ServerMemory
 
 MIN_CLEAN_AHEAD_S = 0.2  # the ski-rental wait's floor
 PROMPT_CLEAN_AHEAD_S = 0.01  # right after the release has been answered
@@ -56,6 +65,8 @@ PROTECT_PREDICTED = "background"
 PROTECT_MARGIN = 2.0  # a predicted background save must fit twice in what is left of the think time
 # clean_ahead's refusals (the clean_ahead counter's labels)
 TOO_LONG, NO_SWITCH, BUSY, NOT_VICTIM = "too_long", "no_switch", "busy", "not_victim"
+# save_useless's reason (the save_skipped counter's label, status, the log)
+SWA_WINDOW_NOT_SAVED = "swa_window_not_saved"
 
 
 class Rules(NamedTuple):
@@ -126,6 +137,24 @@ class SessionFacts(NamedTuple):
     newest: SavedGeneration | None = None  # its newest valid saved generation (for skip_save)
 
 
+class ModelFacts(NamedTuple):
+    """A server's model memory as the decisions see it (read from the running server's model files and
+    settings, `fingerprint.server_memory`)."""
+
+    kind: str = UNKNOWN  # plain / swa / hybrid / recurrent / unknown
+    n_swa: int = 0  # the sliding window (0: none)
+    swa_full: bool = False  # llama-server runs with --swa-full
+    settings_read: bool = False  # its command line and environment were both read
+
+    @classmethod
+    def of(cls, memory: ServerMemory | None) -> ModelFacts:
+        """From what was read of the server's current instance (None: not read yet)."""
+        if memory is None:
+            return cls()
+        m = memory.memory
+        return cls(kind=m.kind, n_swa=m.n_swa, swa_full=m.swa_full, settings_read=memory.settings_read)
+
+
 class SkipSave(NamedTuple):
     """Why a switch's save was skipped: the predicted times it weighed."""
 
@@ -161,6 +190,14 @@ def skip_save(session: SessionFacts, costs: Costs, rules: Rules, fingerprint: st
     if recompute_s is None or save_s is None or recompute_s >= save_s:
         return None
     return SkipSave(recompute_s=recompute_s, save_s=save_s)
+
+
+def save_useless(model: ModelFacts) -> str | None:
+    """Is every save of this server's slots useless, and why: a sliding-window model without `--swa-full`
+    (no restore of its files is ever reused). None: saves may pay (any other class, or one not proven)."""
+    if model.kind == SWA and model.n_swa > 0 and not model.swa_full and model.settings_read:
+        return SWA_WINDOW_NOT_SAVED
+    return None
 
 
 def clean_ahead_delay(context_tokens: int | None, think_s: Sequence[float], costs: Costs) -> float | None:

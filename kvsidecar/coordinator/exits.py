@@ -42,22 +42,24 @@ class ExitWatch:
         history = self.history.get(server)
         return history.last() if history is not None else None
 
-    def note(self, srv: ServerRuntime, before: ProcessInfo | None) -> None:
-        """After a probe of `srv`: `before` is the process the previous probe had found."""
+    def note(self, srv: ServerRuntime, before: ProcessInfo | None) -> bool:
+        """After a probe of `srv`: `before` is the process the previous probe had found. True when it is
+        seen gone now, for the first time (the caller tells the server's identity)."""
         now = srv.process if srv.available else None
         if now is not None and now.identity not in self._units:
             seen = served_by(now)  # read while it lives: its cgroup and comm go with it
             self._units[now.identity] = seen.unit
             self._served.setdefault(srv.name, deque(maxlen=SERVED_KEPT)).append(seen)
         if before is None or (now is not None and now.identity == before.identity):
-            return
+            return False
         if before.identity in self._reported or process_alive(before):
-            return
+            return False
         self._reported.add(before.identity)
         unit = self._units.pop(before.identity, None)
         task = asyncio.get_running_loop().create_task(self._explain(srv.name, before.pid, unit))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return True
 
     async def _explain(self, server: str, pid: int, unit: str | None) -> None:
         evidence = await asyncio.to_thread(exit_evidence, pid, unit)

@@ -105,7 +105,7 @@ class Persisting:
         if srv.breaker.failure(exc.code):
             self._telemetry.circuit_open(srv.name, exc.code, srv.breaker.cooldown_s)
         if isinstance(exc, BackendUnavailable | OperationTimeout):
-            srv.available = False  # the next bracket or probe re-checks, and says whether it restarted
+            srv.identity.call_failed()  # the next bracket or probe re-checks, and says whether it restarted
 
     def succeeded(self) -> None:
         if self._judged:

@@ -6,8 +6,10 @@ restore and save commit with `same_runtime()`: is the server still the instance 
 for? When it is not, or cannot be told, it re-probes and re-fingerprints first, and the residency of
 every slot is forgotten (the next request restores instead of trusting an emptied slot).
 
-It owns restart detection's outcome: each server's epoch, the count of restarts seen. An operation that
-spans a change of epoch is void: `mark()` before it, `still()` after (the closing bracket).
+Each server's epoch (the count of restarts seen) is a fact of its identity (`fingerprint/identity.py`,
+which moves it at the restart it is told of); this guard acts on it: every slot's residency forgotten. An
+operation that spans a change of runtime is void: `mark()` before it, `still()` after (the closing
+bracket), judged by the one trust rule (`store/trust.py`) on the identity's state, epoch and fingerprint.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import KvError
 from kvsidecar.fingerprint.runtime import RuntimeFingerprint
 from kvsidecar.fingerprint.savepath import llama_save_dir
+from kvsidecar.store.trust import Decision, Saved, trust
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,13 @@ class RuntimeMark:
 
     epoch: int
     fingerprint: RuntimeFingerprint | None
+
+    def saved(self) -> Saved | None:
+        """What the operation's result is recorded under, for the trust rule (None: no fingerprint)."""
+        fp = self.fingerprint
+        if fp is None:
+            return None
+        return Saved(fingerprint=fp.digest, components=fp.components, epoch=self.epoch)
 
 
 class RuntimeGuard:
@@ -52,11 +62,11 @@ class RuntimeGuard:
         self.persist = persist
         self.scopes = scopes  # told of each instance first seen (which scopes its RAM cache may hold)
         self.exits = ExitWatch(telemetry=telemetry)  # how a local process ended, and crash loops
-        self._epochs: dict[str, int] = {}  # restarts seen, by server name
 
-    def epoch(self, srv: ServerRuntime) -> int:
+    @staticmethod
+    def epoch(srv: ServerRuntime) -> int:
         """How many restarts of the server have been seen (status: `restarts_seen`)."""
-        return self._epochs.get(srv.name, 0)
+        return srv.identity.now.epoch
 
     def mark(self, srv: ServerRuntime, fingerprint: RuntimeFingerprint | None = None) -> RuntimeMark:
         """The opening bracket: now, under `fingerprint` (default: the server's current one)."""
@@ -64,12 +74,11 @@ class RuntimeGuard:
 
     async def still(self, srv: ServerRuntime, mark: RuntimeMark) -> bool:
         """The closing bracket: the server provably is still the runtime `mark` was taken under (no restart
-        seen since, the same fingerprint)."""
-        return (
-            await self.same_runtime(srv)
-            and self.epoch(srv) == mark.epoch
-            and srv.fingerprint == mark.fingerprint
-        )
+        seen since, the same fingerprint: the trust rule's `RESTORE`)."""
+        saved = mark.saved()
+        if saved is None or not await self.same_runtime(srv):
+            return False
+        return trust(saved, srv.identity.now).decision is Decision.RESTORE
 
     async def refresh(
         self, srv: ServerRuntime, *, slot: Slot | None = None, force: bool = False, bracket: bool = False
@@ -86,7 +95,8 @@ class RuntimeGuard:
         async with srv.refresh_lock:
             before = srv.process
             result = await srv.refresh(force=force, wake=slot is not None)
-            self.exits.note(srv, before)
+            if self.exits.note(srv, before) and before is not None:
+                srv.identity.exited(before)  # out of reach, its process seen ended: gone
             if result.restarted:
                 self.forget_residency(srv, result.reason or "restart")
             if result.available and (result.new_process or not self.scopes.ledger.known(srv)):
@@ -116,8 +126,8 @@ class RuntimeGuard:
         return srv.available and srv.fingerprint is not None
 
     def forget_residency(self, srv: ServerRuntime, reason: str) -> None:
-        """The server lost (or may have lost) every slot's content: believe nothing is resident."""
-        self._epochs[srv.name] = self.epoch(srv) + 1
+        """The server lost (or may have lost) every slot's content: believe nothing is resident. (Its
+        identity counted the restart when it saw it.)"""
         self.telemetry.server_restarted(srv.name, reason)
         for slot in srv.slots.values():
             self.disown(slot)  # unsaved progress is gone with the server
@@ -153,7 +163,7 @@ class RuntimeGuard:
                 srv.set_canary(digest)
                 self.telemetry.canary(srv.name, digest)
         except KvError as exc:
-            srv.canary_failures += 1
+            srv.identity.canary_failed()
             self.telemetry.canary_failed(srv.name, exc)
         finally:
             self.pool.erased(ref)

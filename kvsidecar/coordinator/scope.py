@@ -48,6 +48,7 @@ from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.state import AcquireResult, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import BackendUnavailable, KvError
+from kvsidecar.fingerprint.identity import RuntimeKey
 from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.store.naming import HOOK_SCOPE
 
@@ -123,28 +124,29 @@ def ram_lookups(process: ProcessInfo | None, *, remote: bool = True) -> bool:
 class ScopeLedger:
     """The scopes whose KV has been in a slot of each llama-server instance, and so may be in its RAM cache.
     Unknown (None: assume several) until an instance is seen from its start: a new process whose slots never
-    ran a task (`fresh`); forgotten when that cannot be shown. At most `SEVERAL` are kept. Its one writer."""
+    ran a task (`fresh`); forgotten when that cannot be shown. At most `SEVERAL` are kept. Its one writer.
+    Kept per runtime (`ServerRuntime.key`: a router's children each have a RAM cache of their own)."""
 
     def __init__(self) -> None:
-        self._seen: dict[str, frozenset[str] | None] = {}
+        self._seen: dict[RuntimeKey, frozenset[str] | None] = {}
 
     def seen(self, srv: ServerRuntime) -> frozenset[str] | None:
-        return self._seen.get(srv.name)
+        return self._seen.get(srv.key)
 
     def known(self, srv: ServerRuntime) -> bool:
-        return srv.name in self._seen
+        return srv.key in self._seen
 
     def fresh(self, srv: ServerRuntime) -> None:
         """A new instance whose slots never ran a task: its RAM cache is empty."""
-        self._seen[srv.name] = frozenset()
+        self._seen[srv.key] = frozenset()
 
     def unknown(self, srv: ServerRuntime) -> None:
-        self._seen[srv.name] = None
+        self._seen[srv.key] = None
 
     def ran(self, srv: ServerRuntime, scope: str) -> None:
-        seen = self._seen.get(srv.name)
+        seen = self._seen.get(srv.key)
         if seen is not None and scope not in seen and len(seen) < SEVERAL:
-            self._seen[srv.name] = seen | {scope}
+            self._seen[srv.key] = seen | {scope}
 
 
 class ScopeGate:

@@ -1,16 +1,19 @@
-"""`ServerRuntime`: one llama-server as the coordinator sees it: its backend, breaker, slots, fingerprint.
+"""`ServerRuntime`: one llama-server as the coordinator sees it: its backend, breaker, slots, and the I/O that
+tells what it is. What is known of it lives in its identity (`fingerprint/identity.py`, the one writer).
 
-Different servers never share a lock (spec §38). `refresh()` probes the server and rebuilds its runtime
-fingerprint; when the server restarted (local process identity changed, its per-start nonce changed, or it
-was unreachable) the coordinator is told to drop its belief that any session is resident, so the next
-request restores instead of trusting an empty slot. What other parts keep about a server lives with them:
-the queue of requests waiting for its slots (pool.py), its recent demand (checkpoint.py) and the count of
-its restarts seen (runtime.py).
+Different servers never share a lock (spec §38). `refresh()` probes the server, looks up its local process,
+feeds what it found to the identity (which says whether it restarted: the local process identity changed,
+its per-start nonce changed, or it was unreachable) and, when the identity asks for it, builds the runtime
+fingerprint and reads the model's memory class; the coordinator is then told to drop its belief that any
+session is resident, so the next request restores instead of trusting an empty slot. What other parts keep
+about a server lives with them: the queue of requests waiting for its slots (pool.py), its recent demand
+(checkpoint.py), the credential scopes its instance ran (scope.py), how its processes ended (exits.py).
 
-A fingerprint is bound to the server instance it was built for (`instance`: the local process' pid and
-create time, and the nonce llama-server makes at each start). `same_instance()` re-checks that binding
-cheaply; the coordinator brackets every restore and every save commit with it, so a restart between two
-probes can never lend one runtime's fingerprint to another runtime's KV.
+A fingerprint is bound to the server instance it was built for (the local process' pid and create time,
+and the nonce llama-server makes at each start). `same_instance()` re-checks that binding cheaply; the
+coordinator brackets every restore and every save commit with it, so a restart between two probes can
+never lend one runtime's fingerprint to another runtime's KV. A check that fails is told to the identity
+(`doubted`, `exited`), which stops showing the fingerprint until the next probe decides.
 
 A model loaded again inside the same process is a new runtime too (issue 26 A): llama-server's sleep mode
 frees the model and every slot, and on wake reads whatever file is at the model's path then. The probe
@@ -20,6 +23,10 @@ inode, address ranges: `model_mappings`) forgets every slot's residency and rebu
 `same_instance()` checks both, so a reload between two probes voids the restore it brackets. While the
 server sleeps there is no fingerprint: an acquire wakes it first (`refresh(wake=True)`), then fingerprints
 what it loaded.
+
+Router mode (not built): each child of a router is a runtime of its own (`RuntimeKey(server, model)`), with
+its own identity, process and slots: a `ServerRuntime` per child, made and dropped as the router loads and
+unloads models (docs/ARCHITECTURE.md, "One owner per piece of state").
 """
 
 from __future__ import annotations
@@ -29,8 +36,8 @@ import contextlib
 import logging
 import os
 import select
+import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -38,32 +45,30 @@ import psutil
 from kvsidecar.backend.base import BackendCapabilities, KvBackend
 from kvsidecar.config import Config, Mode, ServerConfig
 from kvsidecar.coordinator.breaker import CircuitBreaker
+from kvsidecar.coordinator.decisions import ModelFacts, save_useless
 from kvsidecar.coordinator.state import Slot
 from kvsidecar.errors import KvError
 from kvsidecar.fingerprint.file_digests import FileDigestCache
+from kvsidecar.fingerprint.identity import (
+    NEW_PROCESS,
+    IdentityState,
+    RefreshResult,
+    RuntimeIdentity,
+    RuntimeKey,
+)
 from kvsidecar.fingerprint.llama_process import ProcessInfo, load_identity, model_mappings
+from kvsidecar.fingerprint.memory_class import UNKNOWN, MemoryClass, loaded_model_class
 from kvsidecar.fingerprint.model_files import ModelProof, model_proof
 from kvsidecar.fingerprint.runtime import RuntimeFingerprint, build_fingerprint
+from kvsidecar.fingerprint.server_memory import SWA_FULL_FIX, ServerMemory, read_server_memory
 from kvsidecar.logs import event
 
 log = logging.getLogger("kvsidecar.server")
 
 ProcessFinder = Callable[[str], ProcessInfo | None]
+MemoryReader = Callable[[BackendCapabilities, ProcessInfo | None], ServerMemory]
 
-
-# The restart reasons that prove a new llama-server process (not a server that only looked gone for a while).
-NEW_PROCESS = frozenset({"process changed", "instance nonce changed"})
-
-
-@dataclass(frozen=True, kw_only=True)
-class RefreshResult:
-    available: bool
-    restarted: bool
-    reason: str | None = None
-
-    @property
-    def new_process(self) -> bool:
-        return self.restarted and self.reason in NEW_PROCESS
+__all__ = ["NEW_PROCESS", "ProcessFinder", "RefreshResult", "ServerRuntime", "build_servers", "process_alive"]
 
 
 class ServerRuntime:
@@ -78,6 +83,9 @@ class ServerRuntime:
         digests: FileDigestCache | None,
         process_check: Callable[[ProcessInfo], bool] | None = None,
         mappings: Callable[[int], Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        model: str | None = None,
+        memory_reader: MemoryReader = read_server_memory,
         before_wake: Callable[[ServerRuntime], Awaitable[None]] | None = None,
     ) -> None:
         self.name = name
@@ -88,29 +96,79 @@ class ServerRuntime:
         self.breaker = breaker
         self.process_finder = process_finder
         self._watch: _ProcessWatch | None = None
-        self.process_check = process_check or self._process_alive
+        self._alive = process_check or self._process_alive
         self.mappings = mappings or model_mappings  # pid -> the files it maps as its model now
         self.digests = digests
-        self.caps: BackendCapabilities | None = None
-        # The complete fingerprint (None until every part, the KV canary included, is known).
-        self.fingerprint: RuntimeFingerprint | None = None
-        self.canary: str | None = None  # digest of the runtime canary's KV, made on this instance
-        self.canary_failures = 0
-        self.process: ProcessInfo | None = None
+        # every fact about the runtime: its one writer (the events below feed it, everything else reads it)
+        self.identity = RuntimeIdentity(
+            key=RuntimeKey(name, model), canary=lambda: self.config.runtime_canary, clock=clock
+        )
+        # The model's memory class on this instance, with its settings and costs (doctor's and status' figure;
+        # written by `_learned` alone, read again at each new instance)
+        self._memory: ServerMemory | None = None
+        self.memory_reader = memory_reader
         # Held while the server is re-probed and re-fingerprinted: an acquire that needs a fingerprint
         # waits for the one being built instead of starting a second build (a whole-file model hash).
         self.refresh_lock = asyncio.Lock()
-        self.available = False
-        self.last_error: str | None = None
         first = config.slot_id if config.mode is Mode.SINGLE_SLOT else 0
         self.slots: dict[int, Slot] = {first: Slot(id=first)}
-        self._base: RuntimeFingerprint | None = None  # the fingerprint without the canary
+
+    # what is known of it, read from its identity ----------------------------------------------------------
+    @property
+    def key(self) -> RuntimeKey:
+        """Which runtime this is (the server's name, and a router child's model)."""
+        return self.identity.key
+
+    @property
+    def state(self) -> IdentityState:
+        return self.identity.now.state
+
+    @property
+    def caps(self) -> BackendCapabilities | None:
+        return self.identity.now.caps
+
+    @property
+    def process(self) -> ProcessInfo | None:
+        return self.identity.now.process
+
+    @property
+    def available(self) -> bool:
+        return self.identity.now.available
+
+    @property
+    def last_error(self) -> str | None:
+        return self.identity.now.last_error
+
+    @property
+    def fingerprint(self) -> RuntimeFingerprint | None:
+        """The complete fingerprint of the instance proven (None until every part, the KV canary included,
+        is known, and while a check says the server may not be that instance any more)."""
+        return self.identity.now.shown
+
+    @property
+    def memory(self) -> ServerMemory | None:
+        """The model's memory class on the instance last seen, its settings and what a snapshot costs."""
+        return self._memory
+
+    @property
+    def canary(self) -> str | None:
+        return self.identity.now.canary  # digest of the runtime canary's KV, made on this instance
+
+    @property
+    def canary_failures(self) -> int:
+        return self.identity.now.canary_failures
+
+    @property
+    def memory_class(self) -> MemoryClass | None:
+        """The loaded model's memory class (None: not read yet, or the process is not seen here)."""
+        return self.identity.now.memory
 
     @property
     def slot_n_ctx(self) -> int | None:
-        if self.caps is None or self.caps.n_ctx is None:
+        caps = self.caps
+        if caps is None or caps.n_ctx is None:
             return None
-        return self.caps.n_ctx
+        return caps.n_ctx
 
     def _sync_slots(self, total: int) -> None:
         if self.config.mode is Mode.SINGLE_SLOT:
@@ -128,16 +186,18 @@ class ServerRuntime:
     @property
     def model_proof(self) -> ModelProof | None:
         """Why the loaded model cannot be proven across a restart of llama-server (status says it)."""
-        return None if self.caps is None else model_proof(self.caps, self.process)
+        caps = self.caps
+        return None if caps is None else model_proof(caps, self.process)
 
     @property
     def sleeping(self) -> bool:
-        return self.caps is not None and self.caps.sleeping
+        return self.identity.now.sleeping
 
     @property
     def needs_canary(self) -> bool:
         return self.config.runtime_canary and self.available and self.canary is None and not self.sleeping
 
+    # the probe ----------------------------------------------------------------------------------------------
     async def refresh(self, *, force: bool = False, wake: bool = False) -> RefreshResult:
         """Probe the server; say whether it is up and whether it restarted since the last look.
 
@@ -146,47 +206,38 @@ class ServerRuntime:
         `wake`: a server in sleep mode is woken (the caller needs it now) and fingerprinted after; without
         it a sleeping server is left asleep, and has no fingerprint.
         """
-        was_available, old_process, old_caps = self.available, self.process, self.caps
+        was_available, slept = self.available, None
         try:
             caps = await self.backend.probe()
             if caps.sleeping and wake:
-                # the sleep is seen here (the restart reason below compares with the last probe)
-                self.caps = caps
-                old_caps = caps
+                slept = caps  # the sleep is seen here: the answer after the wake is compared with it
                 if self.before_wake is not None:
                     await self.before_wake(self)
                 await self.backend.wake()
                 caps = await self.backend.probe()
         except KvError as exc:
-            self.available = False
-            self.last_error = exc.message
-            return RefreshResult(available=False, restarted=was_available, reason="unreachable")
+            return self.identity.probe_failed(exc.message, slept=slept)
         process = (
             await asyncio.to_thread(self.process_finder, caps.process_url or self.config.base_url)
             if self.process_finder
             else None
         )
-        restarted, reason = _restart_reason(was_available, old_caps, caps, old_process, process)
-        self.caps, self.process, self.available, self.last_error = caps, process, True, None
+        result = self.identity.probed(caps, process, force=force, slept=slept)
         if process is not None and (self._watch is None or self._watch.identity != process.identity):
             if self._watch is not None:
                 self._watch.close()
             self._watch = _ProcessWatch(process)
-        rebuild = force or restarted or self._base is None or (process is not None and old_process is None)
-        if caps.sleeping:  # no model loaded: the next one is read from the path at wake, unknown now
-            self._base, self.canary, self.fingerprint = None, None, None
-        elif rebuild:
-            self._base = await asyncio.to_thread(
-                build_fingerprint,
-                caps=caps,
-                process=process,
-                runtime_key=self.config.runtime_key,
-                digests=self.digests,
+        if result.rebuild:
+            base, memory = await asyncio.to_thread(
+                _build, caps, process, self.config.runtime_key, self.digests
             )
-            self.canary = None
-            self._compose()
+            self.identity.fingerprinted(base, memory)
+            read = await asyncio.to_thread(self.memory_reader, caps, process)
+            if self._still(caps, process):  # not a look at an instance another look has replaced
+                self._learned(read)
         self._sync_slots(caps.total_slots)
         if not was_available:
+            fingerprint = self.fingerprint
             event(
                 log,
                 logging.INFO,
@@ -194,32 +245,60 @@ class ServerRuntime:
                 server=self.name,
                 slots=caps.total_slots,
                 n_ctx=caps.n_ctx,
-                fingerprint=self.fingerprint.digest[:12] if self.fingerprint else None,
+                fingerprint=fingerprint.digest[:12] if fingerprint else None,
                 local_process=process.pid if process else None,
             )
-        return RefreshResult(available=True, restarted=restarted, reason=reason)
+        return result
+
+    def _still(self, caps: BackendCapabilities, process: ProcessInfo | None) -> bool:
+        """Is the instance a look read (its process, its model) still the one seen last?"""
+        now = self.process.identity if self.process is not None else None
+        seen = process.identity if process is not None else None
+        return now == seen and self.caps is not None and self.caps.model_path == caps.model_path
+
+    def _learned(self, memory: ServerMemory) -> None:
+        """The model's memory class on this instance: said once (again only when it changes, e.g. a
+        restart with other settings), with what kvsidecar saves for it and, where saves are useless, the
+        fix and its memory figure."""
+        old, self._memory = self._memory, memory
+        if old is not None and old.key == memory.key:
+            return
+        useless = save_useless(ModelFacts.of(memory))
+        m = memory.memory
+        fields: dict[str, Any] = {
+            "server": self.name,
+            "memory": m.kind,
+            "arch": m.arch or None,
+            "restore_keeps": m.restore_keeps if m.kind != UNKNOWN else None,
+            "saves": "off" if useless else "on",
+        }
+        if useless:
+            fields |= {
+                "reason": useless,
+                "n_swa": m.n_swa,
+                "fix": SWA_FULL_FIX,
+                "cost": memory.swa_full_cost(),
+            }
+        elif m.why:
+            fields["why"] = m.why
+        event(log, logging.WARNING if useless else logging.INFO, "kv.backend.memory", **fields)
 
     def set_canary(self, digest: str) -> None:
-        self.canary, self.canary_failures = digest, 0
-        self._compose()
-
-    def _compose(self) -> None:
-        """The full fingerprint: what the server and its process say, plus the canary's KV digest."""
-        base = self._base
-        if base is None or (self.config.runtime_canary and self.canary is None):
-            self.fingerprint = None
-            return
-        if not self.config.runtime_canary:
-            self.fingerprint = base
-            return
-        self.fingerprint = RuntimeFingerprint(
-            components={**base.components, "canary_kv": self.canary or ""}, info=dict(base.info)
-        )
+        """The canary measured on this instance (the identity keeps it while the instance is being proven)."""
+        self.identity.canary_measured(digest)
 
     def close(self) -> None:
         if self._watch is not None:
             self._watch.close()
             self._watch = None
+
+    # the checks between probes --------------------------------------------------------------------------
+    def process_check(self, process: ProcessInfo) -> bool:
+        """Is `process` still running (a pidfd poll, else /proc)? One that ended is told to the identity."""
+        alive = self._alive(process)
+        if not alive:
+            self.identity.exited(process)
+        return alive
 
     def _process_alive(self, process: ProcessInfo) -> bool:
         watch = self._watch
@@ -232,11 +311,12 @@ class ServerRuntime:
     @property
     def identity_kind(self) -> str:
         """How a restart of this server is noticed between probes: what `same_instance` can check."""
+        caps = self.caps
         kinds = [
             name
             for name, known in (
                 ("process", self.process is not None),
-                ("nonce", self.caps is not None and self.caps.instance_id is not None),
+                ("nonce", caps is not None and caps.instance_id is not None),
             )
             if known
         ]
@@ -246,30 +326,49 @@ class ServerRuntime:
         """Is the server still the instance the fingerprint was built for?
 
         True: proven (local process alive with the same pid and create time, and/or the same per-start
-        nonce from /props). False: it is not, or the check failed. None: nothing can tell instances
-        apart (a remote server that exposes no nonce); the caller decides how to fail closed.
+        nonce from /props). False: it is not, or the check failed (told to the identity: it shows no
+        fingerprint until the next probe). None: nothing can tell instances apart (a remote server that
+        exposes no nonce); the caller decides how to fail closed.
         """
-        if self.caps is None or not self.available or self.caps.sleeping:
+        facts = self.identity.now
+        caps, process = facts.caps, facts.process
+        if caps is None or not facts.available or caps.sleeping:
             return False
         proven = False
-        if self.process is not None:
-            if not self.process_check(self.process):
+        if process is not None:
+            if not self.process_check(process):
                 return False
-            if self.process.mapped_models is not None:
+            if process.mapped_models is not None:
                 # the model mapped anew (a wake from sleep mode) is a new runtime, even in this process
-                now = await asyncio.to_thread(self.mappings, self.process.pid)
-                if load_identity(now) != self.process.load_identity:
-                    return False
+                now = await asyncio.to_thread(self.mappings, process.pid)
+                if load_identity(now) != process.load_identity:
+                    return self._doubted()
             proven = True
-        if self.caps.instance_id is not None or "is_sleeping" in self.caps.props:
+        if caps.instance_id is not None or "is_sleeping" in caps.props:
             try:
                 state = await self.backend.instance_state()
             except KvError:
-                return False
-            if state.sleeping or state.nonce != self.caps.instance_id:
-                return False
+                return self._doubted()
+            if state.sleeping or state.nonce != caps.instance_id:
+                return self._doubted()
             proven = proven or state.nonce is not None
         return True if proven else None
+
+    def _doubted(self) -> bool:
+        self.identity.doubted()
+        return False
+
+
+def _build(
+    caps: BackendCapabilities,
+    process: ProcessInfo | None,
+    runtime_key: str | None,
+    digests: FileDigestCache | None,
+) -> tuple[RuntimeFingerprint, MemoryClass | None]:
+    """The fingerprint of what a probe found (without the canary) and its model's memory class: reads whole
+    files the first time they are seen (call off the loop)."""
+    base = build_fingerprint(caps=caps, process=process, runtime_key=runtime_key, digests=digests)
+    return base, loaded_model_class(caps.model_path, process)
 
 
 class _ProcessWatch:
@@ -307,46 +406,6 @@ def process_alive(process: ProcessInfo) -> bool:
         return False
 
 
-def _restart_reason(
-    was_available: bool,
-    old_caps: BackendCapabilities | None,
-    caps: BackendCapabilities,
-    old_process: ProcessInfo | None,
-    process: ProcessInfo | None,
-) -> tuple[bool, str | None]:
-    """Did the server restart since the last probe, and what shows it. Identity evidence (process, nonce)
-    decides when there is some: a slow answer that made the server look unreachable is not a restart."""
-    if old_caps is None:
-        return False, None
-    same_evidence = False
-    if old_process is not None and process is not None:
-        if old_process.identity != process.identity:
-            return True, "process changed"
-        same_evidence = True
-    if caps.sleeping and not old_caps.sleeping:
-        return True, "entered sleep mode"  # the model and every slot's KV are freed
-    if old_caps.sleeping and not caps.sleeping:
-        return True, "woke from sleep mode"  # the model was loaded again from its path
-    if (
-        old_process is not None
-        and process is not None
-        and old_process.mapped_models is not None
-        and old_process.load_identity != process.load_identity
-    ):
-        return True, "model mapped again"
-    if old_caps.instance_id is not None or caps.instance_id is not None:
-        if old_caps.instance_id != caps.instance_id:
-            return True, "instance nonce changed"
-        same_evidence = True
-    if caps.model_path != old_caps.model_path:
-        return True, "model changed"
-    if old_process is not None and process is None:
-        return True, "local process gone"
-    if not was_available and not same_evidence:
-        return True, "was unreachable"
-    return False, None
-
-
 def build_servers(
     config: Config,
     backends: dict[str, KvBackend],
@@ -370,6 +429,8 @@ def build_servers(
             process_finder=process_finder,
             process_check=process_check,
             digests=digests,
+            clock=monotonic,
+            model=cfg.model,
             before_wake=before_wake,
         )
         for name, cfg in config.servers.items()

@@ -299,6 +299,19 @@ class Telemetry(ServerEvents):
             slot=slot,
         )
 
+    def save_useless(self, server: str, rt: SessionRuntime, trigger: str, reason: str) -> None:
+        """A save not made because nothing could restore it (`decisions.save_useless`): counted; logged only
+        at debug (the server's class and the fix are said once, `kv.backend.memory`)."""
+        self.metrics.save_skipped.labels(server, reason).inc()
+        event(
+            log,
+            logging.DEBUG,
+            "kv.session.save.skipped",
+            session=rt.identity.short,
+            trigger=trigger,
+            reason=reason,
+        )
+
     def save_not_owner(self, server: str, rt: SessionRuntime, trigger: str, holder: str | None) -> None:
         """Fleet mode: a save not made because another host owns the session now (its copy is newer)."""
         self.metrics.save_skipped.labels(server, "not_owner").inc()

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvsidecar.coordinator.decisions import ModelFacts, save_useless
 from kvsidecar.coordinator.pool import owner_slot
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionTable
@@ -19,6 +20,7 @@ from kvsidecar.coordinator.state import Lease, SessionRuntime, SessionState, Slo
 from kvsidecar.coordinator.verdict import persistence_now
 from kvsidecar.errors import DirMoved
 from kvsidecar.fingerprint.savepath import SetupWarning, llama_save_dir, save_path_warning
+from kvsidecar.fingerprint.server_memory import SWA_FULL_FIX
 from kvsidecar.store.manifest import Manifest
 from kvsidecar.store.snapshots import SnapshotStore
 
@@ -219,6 +221,7 @@ def server_view(
         "last_error": srv.last_error,
         "fingerprint": srv.fingerprint.digest[:16] if srv.fingerprint else None,
         "runtime": {
+            "state": srv.state.value,  # what is known of it now (fingerprint/identity.py)
             "identity": srv.identity_kind,
             "canary": (srv.canary[:12] if srv.canary else "pending") if srv.config.runtime_canary else "off",
             "canary_failures": srv.canary_failures,
@@ -235,11 +238,29 @@ def server_view(
             }
             for s in sorted(srv.slots.values(), key=lambda s: s.id)
         ],
+        "memory": memory_view(srv),
         # setup problems found now (srv.process is the llama-server process seen at the last refresh)
         "warnings": [w.to_dict() for w in _setup_warnings(srv, store)],
     }
     view["persistence_now"] = persistence_now(view, enabled=enabled)
     return view
+
+
+def memory_view(srv: ServerRuntime) -> dict[str, Any] | None:
+    """The model's memory class on the server's current instance (read from its model files and settings)
+    and whether kvsidecar saves its slots: `saves` "off" with the reason, the fix and its memory figure
+    where no restore could use a save (decisions.save_useless). None until the server was read."""
+    m = srv.memory
+    if m is None:
+        return None
+    reason = save_useless(ModelFacts.of(m))
+    return {
+        **m.to_dict(),
+        "saves": "off" if reason else "on",
+        "reason": reason,
+        "fix": SWA_FULL_FIX if reason else None,
+        "cost": m.swa_full_cost() if reason else None,
+    }
 
 
 def slot_tokens(slot: Slot, owner: SessionRuntime | None) -> int | None:

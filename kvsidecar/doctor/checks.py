@@ -23,6 +23,7 @@ from kvsidecar.files.confined import DirAnchor
 from kvsidecar.fingerprint.llama_crashes import CrashScope, ServedBy, recent_crashes, served_by
 from kvsidecar.fingerprint.llama_process import ProcessInfo, find_llama_process
 from kvsidecar.fingerprint.savepath import llama_save_dir
+from kvsidecar.fingerprint.server_memory import read_server_memory
 
 
 class Doctor:
@@ -64,10 +65,11 @@ class Doctor:
         process = self.process_finder(self.server.base_url)
         theirs = llama_save_dir(process)  # llama-server's --slot-save-path as seen from here, when known
         await self._crashes(report, process)
-        process_checks(report, caps, process, self.name)
+        memory = await asyncio.to_thread(read_server_memory, caps, process)  # its model files, its flags
+        process_checks(report, caps, process, self.name, memory)
         await self.probe.save_path(report, process, slots, theirs=theirs, deep=deep)
         if deep:
-            await self.probe.round_trip(report, theirs)
+            await self.probe.restore_check(report, theirs, memory, caps.n_ctx)
         return report
 
     async def _crashes(self, report: DoctorReport, process: ProcessInfo | None) -> None:

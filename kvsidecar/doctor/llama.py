@@ -1,25 +1,24 @@
 """Doctor's checks of the llama-server process and what it runs: recent crashes of the configured server's
 own processes (a SIGILL at an AMX/AVX instruction: a build this CPU cannot run), the flags that decide
-whether a restore is reused (`--kv-unified` with idle-slot caching, `--swa-full` for a sliding-window model,
-the RAM prompt cache), whether the loaded model can be proven across a restart, and whether snapshots
-survive a llama.cpp upgrade."""
+whether a restore is reused (`--kv-unified` with idle-slot caching, the RAM prompt cache), the model's
+memory class and what kvsidecar restores for it (`--swa-full` for a sliding-window model, with its memory
+figure), whether the loaded model can be proven across a restart, and whether snapshots survive a
+llama.cpp upgrade."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 from kvsidecar.backend.base import BackendCapabilities
 from kvsidecar.buildcheck import cpu_info, isa_flags
 from kvsidecar.config import Config
 from kvsidecar.doctor.report import DoctorReport, Status
-from kvsidecar.fingerprint.gguf_meta import GgufError, read_metadata, sliding_window
 from kvsidecar.fingerprint.llama_crashes import CrashRecord, CrashScope
 from kvsidecar.fingerprint.llama_exit import crash_hint
 from kvsidecar.fingerprint.llama_process import ProcessInfo
-from kvsidecar.fingerprint.memory_class import HYBRID, RECURRENT, UNKNOWN, model_class
-from kvsidecar.fingerprint.model_files import model_paths, model_proof
-from kvsidecar.fingerprint.process_files import ProcessFiles
+from kvsidecar.fingerprint.memory_class import HYBRID, RECURRENT, SWA, UNKNOWN
+from kvsidecar.fingerprint.model_files import model_proof
+from kvsidecar.fingerprint.server_memory import SWA_FULL_FIX, ServerMemory
 from kvsidecar.store.state_format import KNOWN_VERSIONS as STATE_VERSIONS
 
 # Reads the configured server's recent crashes (its processes, its units) and what their records say.
@@ -66,9 +65,14 @@ def _model_identity(report: DoctorReport, caps: BackendCapabilities, process: Pr
 
 
 def process_checks(
-    report: DoctorReport, caps: BackendCapabilities, process: ProcessInfo | None, server: str
+    report: DoctorReport,
+    caps: BackendCapabilities,
+    process: ProcessInfo | None,
+    server: str,
+    memory: ServerMemory,
 ) -> None:
-    """The llama-server process of `server` (its name in the config) and the flags it runs with."""
+    """The llama-server process of `server` (its name in the config), the flags it runs with, and its
+    model's memory class (`memory`, read from the model's files and those flags)."""
     if process is None:
         _model_identity(report, caps, None)
         report.add(
@@ -87,8 +91,7 @@ def process_checks(
         f"kv-unified {flags.get('kv_unified', 'off')} (all part of the snapshot fingerprint)",
     )
     _model_identity(report, caps, process)
-    _swa(report, caps, flags)
-    _memory(report, caps, process)
+    memory_check(report, memory)
     if flags.get("kv_unified") == "on" and flags.get("no_cache_idle_slots") != "on":
         report.add(
             "idle slot cache",
@@ -107,57 +110,54 @@ def process_checks(
     )
 
 
-def _swa(report: DoctorReport, caps: BackendCapabilities, flags: dict[str, str]) -> None:
-    try:
-        window = sliding_window(read_metadata(Path(caps.model_path or "")))
-    except (OSError, GgufError) as exc:
-        report.add("sliding-window attention", "SKIP", f"cannot read the model's metadata ({exc})")
-        return
-    if window is None:
-        report.add("sliding-window attention", "OK", "the model has no sliding-window layers")
-    elif flags.get("swa_full") == "on":
-        report.add("sliding-window attention", "OK", f"SWA model (window {window}) with --swa-full")
-    else:
+def memory_check(report: DoctorReport, memory: ServerMemory) -> None:
+    """The model's memory class (read from its files and the server's settings) and what kvsidecar will
+    and will not restore for it; `doctor --deep` confirms it on the server (`doctor.restore_check`). Only a
+    sliding-window model without `--swa-full` is a warning: no restore of it is ever reused, so kvsidecar
+    saves nothing there, and the fix's memory figure is given."""
+    m, what = memory.memory, memory.describe()
+    if memory.snapshot is not None:
+        what += f" ({memory.snapshot.text()})"
+    if m.kind == UNKNOWN:
+        report.add("model memory", "SKIP", f"cannot tell the model's memory class: {m.why}")
+    elif memory.swa_without_full:
         report.add(
-            "sliding-window attention",
+            "model memory",
             "WARN",
-            f"SWA model (window {window}) without --swa-full: a restore "
-            "answers 200 and the engine then recomputes everything",
-            "add --swa-full to llama-server",
+            f"{what}: the saved file keeps only the window's positions and llama-server reuses no restore, "
+            "not even of an exact extension; kvsidecar saves nothing on this server and restores nothing",
+            f"{SWA_FULL_FIX}: {memory.swa_full_cost()}",
         )
-
-
-def _memory(report: DoctorReport, caps: BackendCapabilities, process: ProcessInfo) -> None:
-    """The model's memory class (read from its files and the settings): a hybrid or recurrent model's
-    restore is reused only by a prompt that extends every saved token. (The process is llama-server, or
-    llama.cpp's unified binary running it, `llama serve`.)"""
-    if not caps.model_path:
-        return
-    files = ProcessFiles(None, process)
-    local = [files.local(p) for p in model_paths(caps.model_path)]
-    if None in local:
-        report.add("model memory", "SKIP", "the model's path cannot be resolved as llama-server sees it")
-        return
-    c = model_class([Path(p) for p in local if p is not None], process.settings)
-    if c.kind == UNKNOWN:
-        report.add("model memory", "SKIP", f"cannot tell the model's memory class: {c.why}")
-        return
-    if c.kind not in (HYBRID, RECURRENT):
-        return
-    ckpt = c.checkpoints
-    report.add(
-        "model memory",
-        "WARN",
-        f"{c.kind} model ({c.arch}: {c.recurrent_layers} {c.recurrent_kind} layers, {c.attention_layers} "
-        "attention layers): llama-server reuses a restored state only when the next prompt extends every "
-        "saved token; any divergence recomputes the whole prompt"
-        + (
-            f"; resident, it falls back to its {ckpt.max_per_slot} context checkpoints per slot"
+    elif m.kind == SWA and not m.swa_full:
+        report.add(
+            "model memory",
+            "WARN",
+            f"{what}: without --swa-full no restore is reused; kvsidecar saves as usual until it can tell",
+            "pass --swa-full (or its absence) on llama-server's command line, or let kvsidecar read its "
+            "environment",
+        )
+    elif m.kind == SWA:
+        report.add(
+            "model memory",
+            "OK",
+            f"{what}: the saved file keeps only the window's positions, so kvsidecar restores only for a "
+            "prompt that extends the saved tokens within one token of their end",
+        )
+    elif m.kind in (HYBRID, RECURRENT):
+        ckpt = m.checkpoints
+        fallback = (
+            f"; resident, llama-server falls back to its {ckpt.max_per_slot} context checkpoints per slot"
             if ckpt is not None and ckpt.made
             else ""
-        ),
-        "keep --cache-ram on (its RAM cache keeps checkpoints); see docs/MODELS.md",
-    )
+        )
+        report.add(
+            "model memory",
+            "OK",
+            f"{what}: a restore is reused only when the next prompt extends the saved tokens exactly; "
+            f"kvsidecar restores only then{fallback}",
+        )
+    else:
+        report.add("model memory", "OK", f"{what}: a restore is reused for any common prefix")
 
 
 def upgrade_check(report: DoctorReport, config: Config, server: str, version: int | None) -> None:

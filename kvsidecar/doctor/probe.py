@@ -1,14 +1,15 @@
 """Doctor's checks in the snapshot directory itself: does llama-server save where kvsidecar manages
 (`--slot-save-path`, proven by a probe save that must appear there), is the directory the daemon opened
 still where the paths lead, and, with `--deep` (spec §61), does a restore really get reused (save, erase,
-restore, the same prompt again, the engine's reuse read from cache_n). Every probe file is checked and
-removed through the held directory, never through its path."""
+restore, the same prompt plus a few tokens, the engine's reuse read from cache_n: `doctor.restore_check`).
+Every probe file is checked and removed through the held directory, never through its path."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import secrets
+import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,17 @@ from kvsidecar.backend.base import BackendSlot, KvBackend
 from kvsidecar.config import Config, ServerConfig
 from kvsidecar.doctor.llama import upgrade_check
 from kvsidecar.doctor.report import DoctorReport
+from kvsidecar.doctor.restore_check import Evidence, measure, probe_length, probe_prompts, verdict
 from kvsidecar.errors import DirMoved, KvError
 from kvsidecar.files.confined import DIR_MOVED, DirAnchor, lstat_at
 from kvsidecar.fingerprint.llama_process import ProcessInfo
+from kvsidecar.fingerprint.memory_class import SWA
+from kvsidecar.fingerprint.server_memory import ServerMemory
 from kvsidecar.store.integrity import header_from_fd
+from kvsidecar.store.state_format import StateFormatError, parse
+from kvsidecar.store.state_sections import MemoryLayout, layout_for
 
+CHECK = "restore compatibility (deep)"
 # Runs `fn(slot_id)` while the slot is held exclusively (in the daemon: an auxiliary lease).
 SlotHolder = Callable[[Callable[[int], Awaitable[Any]]], Awaitable[Any]]
 
@@ -147,50 +154,50 @@ class SnapshotProbe:
                 f"make servers.{self.name}.snapshot_dir and --slot-save-path the same directory",
             )
 
-    async def round_trip(self, report: DoctorReport, theirs: str | None) -> None:
-        """Spec §61: cold prompt, save, erase, restore, identical prompt, confirm reuse from cache_n.
+    async def restore_check(
+        self, report: DoctorReport, theirs: str | None, memory: ServerMemory, n_ctx: int | None
+    ) -> None:
+        """Spec §61 (`doctor.restore_check`): cold prompt, save, erase, restore, the same prompt plus a few
+        tokens, reuse read from llama-server's cache_n, and the verdict for the server's memory class. On
+        a held slot (the daemon's auxiliary lease: the slot's owner is checkpointed first and restores on
+        its next request); the probe file is removed and the slot erased, whatever happens.
 
         Every call goes through the backend, so it carries llama-server's API key when one is configured."""
-        prompt = " ".join(f"doctor{i} probe" for i in range(150))
+        stem = f"kvsidecar-doctor-{secrets.token_hex(6)}"
+        name, second = f"{stem}.bin", f"{stem}-2.bin"
+        layout = layout_for(memory.memory) if memory.kind == SWA else None
 
-        async def run(slot_id: int) -> tuple[int, int, int]:
-            name = f"kvsidecar-doctor-{secrets.token_hex(6)}.bin"
+        async def run(slot_id: int) -> Evidence:
             anchor = self._held()
-            await self.backend.erase_slot(slot_id)
-            await self.backend.run_prompt(slot_id, prompt, n_predict=1)
-            anchor.ensure(theirs)  # the paths must lead to the held directory, before and after
-            saved = await self.backend.save_slot(slot_id, name)
             try:
-                anchor.ensure(theirs)
-                await self.backend.erase_slot(slot_id)
-                await self.backend.restore_slot(slot_id, name)
-                again = await self.backend.run_prompt(slot_id, prompt, n_predict=1)
+                prompts = await probe_prompts(self.backend, probe_length(memory, n_ctx))
+                return await measure(
+                    self.backend,
+                    slot_id,
+                    prompts,
+                    names=(name, second),
+                    ensure=lambda: anchor.ensure(theirs),  # the paths must lead to the held directory
+                    window=lambda: _probe_window(anchor, name, layout),
+                    size=lambda n: _probe_size(anchor, n),
+                )
             finally:
                 _remove_probe(anchor, name)
-            return saved.tokens, again.reused, again.computed
+                _remove_probe(anchor, second)
+                with contextlib.suppress(KvError):
+                    await self.backend.erase_slot(slot_id)  # nothing of the probe stays in the slot
 
         try:
-            saved, reused, computed = await (
-                self.hold_slot(run) if self.hold_slot else run(self.server.slot_id)
-            )
+            evidence = await (self.hold_slot(run) if self.hold_slot else run(self.server.slot_id))
         except (KvError, OSError) as exc:
-            report.add("restore reuse (deep)", "FAIL", f"the round trip failed: {exc}")
+            report.add(CHECK, "FAIL", f"the check failed: {exc}")
             return
-        if saved and reused >= 0.9 * (saved - 2):
-            report.add(
-                "restore reuse (deep)",
-                "OK",
-                f"saved {saved} tokens; after erase+restore the engine reused "
-                f"{reused} and computed {computed}",
-            )
-        else:
-            report.add(
-                "restore reuse (deep)",
-                "WARN",
-                f"saved {saved} tokens but the engine reused only {reused} after "
-                "a restore: snapshots are useless on this model/build",
-                "SWA model? add --swa-full; hybrid/recurrent models may not support reuse after restore",
-            )
+        found = verdict(memory, evidence)
+        report.add(CHECK, found.status, f"{found.compatibility}: {found.detail}", found.fix)
+        report.compatibility = {
+            "verdict": found.compatibility,
+            "memory": memory.to_dict(),
+            "evidence": evidence.to_dict(),
+        }
 
 
 def _probe_version(anchor: DirAnchor, name: str) -> int | None:
@@ -201,6 +208,28 @@ def _probe_version(anchor: DirAnchor, name: str) -> int | None:
             return header_from_fd(fd, name).version
         finally:
             os.close(fd)
+    return None
+
+
+def _probe_window(anchor: DirAnchor, name: str, layout: MemoryLayout | None) -> tuple[int, int] | None:
+    """The positions the SWA layers of a sliding-window model's probe file hold (read in the held
+    directory, under the model's layout), or None."""
+    if layout is None:
+        return None
+    with contextlib.suppress(OSError, KvError, ValueError, StateFormatError), anchor.fd() as dfd:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+        with os.fdopen(fd, "rb") as f:
+            parts = parse(f, memory=layout).kv_parts
+        positions = [p for s in (parts[1] if len(parts) > 1 else ()) for p in s.positions]
+        return (min(positions), max(positions)) if positions else None
+    return None
+
+
+def _probe_size(anchor: DirAnchor, name: str) -> int | None:
+    """A probe file's bytes (a regular file in the held directory, never followed through a link)."""
+    with contextlib.suppress(OSError, KvError), anchor.fd() as dfd:
+        st = lstat_at(name, dfd)
+        return st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
     return None
 
 

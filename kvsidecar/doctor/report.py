@@ -1,6 +1,7 @@
 """What `doctor` answers: a `DoctorReport` of named checks, each OK / WARN / FAIL / SKIP with a one-line
 fix, and its verdict, `result`: READY, DEGRADED (works, but something costs speed or safety) or NOT READY
-(a check failed)."""
+(a check failed); with `--deep`, the §61 compatibility verdict (supported / experimental / broken) and its
+evidence."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ class DoctorReport:
     server: str
     endpoint: str
     checks: list[Check] = field(default_factory=list)
+    # the §61 check's verdict (`doctor.restore_check`), its memory class and evidence; None without --deep
+    compatibility: dict[str, Any] | None = None
 
     @property
     def result(self) -> str:
@@ -38,4 +41,5 @@ class DoctorReport:
             "endpoint": self.endpoint,
             "result": self.result,
             "checks": [asdict(c) for c in self.checks],
+            "compatibility": self.compatibility,
         }

@@ -1,6 +1,7 @@
 """Runtime identity: which llama-server state a snapshot may be restored into, and what can be read about
 the local llama-server process. Each module owns one part; import a name from its owner:
 
+- `identity`: what is known of each runtime now, its state machine and its one writer, `RuntimeIdentity`;
 - `runtime`: the fingerprint's components, `RuntimeFingerprint` and `build_fingerprint`;
 - `reasons`: what a difference in each component means (reason codes, `HARMLESS`);
 - `model_files`: the loaded model's files and `model_proof`;

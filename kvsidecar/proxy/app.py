@@ -80,7 +80,7 @@ from kvsidecar.proxy import answers
 from kvsidecar.proxy.answers import PROMPT_DIVERGED, SIGNAL_NONE, error_answer, kv_headers, openai_error
 from kvsidecar.proxy.anthropic_errors import ConversionError
 from kvsidecar.proxy.forward import Convert, Forwarder, Outbound, Release, lifespan
-from kvsidecar.proxy.gate import admit
+from kvsidecar.proxy.gate import admit, check_token_ids, token_ids
 from kvsidecar.proxy.outbound import Outbounds, pinned_body
 from kvsidecar.proxy.peers import HOP, PeerProxies, as_host
 from kvsidecar.proxy.sessions import ProxySessions, SlotCall
@@ -226,9 +226,11 @@ class Proxy:
             too_big = PayloadTooLarge(f"request body is over {self.cfg.max_body_bytes} bytes")
             await self._refuse(too_big, scope, receive, send)
             return
-        caps = self.coordinator.servers[self.cfg.server].caps
+        srv = self.coordinator.servers[self.cfg.server]
         try:  # the one body gate: nothing of a body reaches llama-server (or a peer) before it
-            admit(scope["method"], path, scope["headers"], body, caps)
+            ids = token_ids(path, admit(scope["method"], path, scope["headers"], body, srv.caps))
+            if ids is not None:
+                check_token_ids(ids, (await srv.backend.tokenizer_info()).n_vocab)
         except KvError as exc:
             await self._refuse(exc, scope, receive, send)
             return

@@ -8,7 +8,9 @@ mode), and before any slot is acquired:
   for llama-server's own `chat_parser` / `grammar_triggers`. A `GET`/`HEAD` may have no body at all, a
   `POST` must; `multipart/form-data` only on the transcription routes (llama-server turns its fields into a
   flat JSON object of strings). A compressed body is not JSON text, so it is refused (llama-server 11434 is
-  built without zlib and inflates nothing);
+  built without zlib and inflates nothing), and so is an encoded form; a `Content-Encoding` on a body read as
+  plain JSON is dropped on the way out. An integer beyond 64 bits and a lone surrogate escape are refused as
+  llama-server's parser refuses them; `/detokenize` ids are held to the vocabulary (`check_token_ids`);
 - the modalities: an image, audio or video part for a model llama-server runs without that input is 400
   `KV_MODALITY_UNSUPPORTED` (llama-server answers 500 for it, or 501 for a transcription), found where
   llama-server loads media from (tools/server/server-common.cpp, server-chat.cpp at build 11434): a chat
@@ -85,6 +87,11 @@ def admit(
         return None  # llama-server reads no body there; one that is sent is held to the same rules
     types = [v.strip().lower() for k, v in headers if k.lower() == b"content-type"]
     if path in TRANSCRIPTION_ROUTES and len(types) == 1 and types[0].startswith(b"multipart/form-data"):
+        encodings = {v.strip().lower() for k, v in headers if k.lower() == b"content-encoding"} - {
+            b"identity"
+        }
+        if encodings:  # a form is forwarded as it came, and llama-server inflates nothing
+            raise BadRequest("Content-Encoding: the proxy takes a form unencoded")
         _need({AUDIO}, props)  # a form of flat string fields and the audio file: nothing nests
         return None
     if not body:
@@ -93,6 +100,26 @@ def admit(
     check_fields(data)
     _need(media(path, data), props)
     return data
+
+
+DETOKENIZE_ROUTES: Final = frozenset({"/detokenize"})
+
+
+def token_ids(path: str, data: Any) -> list[Any] | None:
+    """The token ids a request asks llama-server to look up in its vocabulary unchecked (`/detokenize`:
+    one outside it is a 500 there), None for any other route or a body without them."""
+    if path not in DETOKENIZE_ROUTES or not isinstance(data, dict):
+        return None
+    tokens = data.get("tokens")
+    return tokens if isinstance(tokens, list) else None
+
+
+def check_token_ids(ids: list[Any], n_vocab: int) -> None:
+    """Every id an integer of the vocabulary (a float such as 5.0 is llama-server's 5 and passes)."""
+    for t in ids:
+        ok = isinstance(t, (int, float)) and not isinstance(t, bool) and float(t).is_integer()
+        if not ok or not 0 <= t < n_vocab:
+            raise BadRequest(f"tokens: {str(t)[:40]} is not a token id of the model (n_vocab {n_vocab})")
 
 
 def _need(kinds: set[str], props: Mapping[str, Any] | None) -> None:

@@ -53,8 +53,11 @@ class Outbounds:
         drop = hop_by_hop(scope["headers"]) | {self.session_header}
         if self.expected is not None or self.llama_auth is not None:
             drop |= {b"authorization", b"x-api-key"}
-        if pinned:  # the body is plain JSON now, whatever the client said it was
-            drop |= {b"content-type", b"content-encoding"}
+        # the gate read every body it lets through as plain text (a compressed one is refused), whatever
+        # the client said it was: llama-server, built without zlib, answers an encoding 415 with no body
+        drop |= {b"content-encoding"}
+        if pinned:  # the body is plain JSON now
+            drop |= {b"content-type"}
         headers = [
             (k, v)
             for k, v in scope["headers"]

@@ -1,12 +1,12 @@
 """Restore candidates: which generation of a snapshot is safe to hand to llama-server (spec §39-42).
 
 It owns the checks a generation passes before a restore, cheapest first: its record (not marked invalid,
-saved under the server's runtime fingerprint (Invariant 4), in the state-file format the server writes,
-within the slot's context), then its file, all through one descriptor opened without following links:
-a plain regular file of ours (one link, expected owner) whose size, header and (deep) checksum match the
-record. A generation that fails on evidence about the file is marked invalid; one that only does not fit
-this runtime is passed over and kept. After llama-server read a candidate, `confirm_unchanged` checks
-that the name is still the very file that was verified.
+saved under the server's runtime fingerprint (Invariant 4, the trust rule of `store/trust.py`), in the
+state-file format the server writes, within the slot's context), then its file, all through one descriptor
+opened without following links: a plain regular file of ours (one link, expected owner) whose size, header
+and (deep) checksum match the record. A generation that fails on evidence about the file is marked invalid;
+one that only does not fit this runtime is passed over and kept. After llama-server read a candidate,
+`confirm_unchanged` checks that the name is still the very file that was verified.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from kvsidecar.store.table import (
     TOO_LARGE,
     ManifestTable,
 )
+from kvsidecar.store.trust import Decision, Saved, proven, trust
 
 FileId = tuple[int, int, int, int, int]  # (dev, inode, size, mtime_ns, ctime_ns: utime cannot put it back)
 
@@ -172,14 +174,19 @@ class CandidateFinder:
         max_tokens: int | None,
     ) -> Rejection | None:
         """The record-only checks (no I/O but a fingerprint lookup)."""
+        now = proven(fingerprint)  # the caller proved the runtime under this fingerprint just now
         if rec.invalid_reason is not None:
             return Rejection(
                 generation=gen, reason=rec.invalid_reason, detail="marked invalid", persistent=False
             )
-        if rec.fingerprint != fingerprint.digest:
-            reason = fingerprint.mismatch_reason(self.records.components(rec.fingerprint))
+        saved = Saved(fingerprint=rec.fingerprint, components=self._components(rec, fingerprint))
+        verdict = trust(saved, now)
+        if verdict.decision is not Decision.RESTORE:  # the one trust rule (store/trust.py)
             return Rejection(
-                generation=gen, reason=reason, detail="saved under another runtime", persistent=False
+                generation=gen,
+                reason=verdict.reason or verdict.decision.value,
+                detail="saved under another runtime",
+                persistent=False,
             )
         if known_format is not None and rec.format_version != known_format:
             return Rejection(
@@ -196,6 +203,13 @@ class CandidateFinder:
                 persistent=False,
             )
         return None
+
+    def _components(self, rec: GenerationRecord, fingerprint: RuntimeFingerprint) -> Mapping[str, str] | None:
+        """The components `rec` was saved under, read from their record only when they can differ (the
+        same digest: the same components)."""
+        if rec.fingerprint == fingerprint.digest:
+            return fingerprint.components
+        return self.records.components(rec.fingerprint)
 
 
 def verify_generation(

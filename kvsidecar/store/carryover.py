@@ -208,6 +208,14 @@ class Verdicts:
             return None
         return bool(v["equal"])
 
+    def rows(self, old: str, new: str) -> int | None:
+        """The rows an "equal" verdict for the pair rests on (None: no such verdict): for the trust rule."""
+        with self._lock:
+            v = self._verdicts.get(self.key(old, new))
+        if v is None or v["equal"] is not True or not isinstance(v["rows"], int):
+            return None
+        return v["rows"]
+
     def record(self, old: str, new: str, proof: RowsProof) -> None:
         """Remember the verdict, durably (call off the event loop; threads of two carry-overs serialize)."""
         with self._lock:

@@ -14,9 +14,9 @@ import httpx
 import pytest
 import yaml
 
+from kvsidecar.testing.arch_models import GEMMA3_SWA, generate_arch_model
 from kvsidecar.testing.daemon import DaemonProcess
-from kvsidecar.testing.llama import LlamaServer, complete, free_port, words
-from kvsidecar.testing.models import gemma3_270m
+from kvsidecar.testing.llama import LlamaServer, complete, free_port, vocab_dir, words
 from tests.conftest import StartServer
 
 TOKEN = "cli-token-0123456789abcdef"
@@ -120,7 +120,8 @@ def test_doctor_good_setup_with_deep_round_trip(start_llama: StartServer, tmp_pa
     server = start_llama()
     code, out, _ = cli(write_config(tmp_path, server), "doctor", "--deep", "--offline")
     assert code == 0, out
-    assert "Result: READY" in out and "restore reuse (deep)" in out and "a probe save appeared" in out
+    assert "Result: READY" in out and "OK    restore compatibility (deep): supported" in out, out
+    assert "a probe save appeared" in out
     assert not list(server.save_dir.iterdir())  # probes cleaned up
 
 
@@ -131,7 +132,7 @@ def test_doctor_deep_round_trip_with_llama_servers_api_key(start_llama: StartSer
     server = start_llama(extra_args=("--cache-ram", "0", "--api-key-file", str(key)))
     config = write_config(tmp_path, server, api_key_file=key)
     code, out, _ = cli(config, "doctor", "--deep", "--offline")
-    assert code == 0 and "OK    restore reuse (deep)" in out and "Result: READY" in out, out
+    assert code == 0 and "OK    restore compatibility (deep)" in out and "Result: READY" in out, out
     daemon = DaemonProcess(
         tmp_path / "d",
         base_url=server.base_url,
@@ -141,7 +142,7 @@ def test_doctor_deep_round_trip_with_llama_servers_api_key(start_llama: StartSer
     ).start()
     try:
         code, out, _ = cli(daemon.config_path, "doctor", "--deep")  # through the daemon's /v1/doctor
-        assert code == 0 and "OK    restore reuse (deep)" in out, out
+        assert code == 0 and "OK    restore compatibility (deep)" in out, out
     finally:
         daemon.stop()
     assert not list(server.save_dir.iterdir())
@@ -164,16 +165,22 @@ def test_doctor_server_down(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("swa_full", [False, True])
-def test_doctor_on_gemma3_needs_swa_full(start_llama: StartServer, tmp_path: Path, swa_full: bool) -> None:
+def test_doctor_on_a_sliding_window_model_needs_swa_full(
+    start_llama: StartServer, llama_bin: Path, tmp_path: Path, swa_full: bool
+) -> None:
+    """The generated gemma3-swa (window 128); Gemma 3 270M itself: tests/integration/test_doctor_classes_real.py."""
+    model = generate_arch_model(GEMMA3_SWA, vocab_dir=vocab_dir(llama_bin))
     extra = ("--cache-ram", "0", "--swa-full") if swa_full else ("--cache-ram", "0")
-    server = start_llama(model=gemma3_270m(), ctx_size=2048, extra_args=extra)
+    server = start_llama(model=model, ctx_size=2048, extra_args=extra)
     code, out, _ = cli(write_config(tmp_path, server), "doctor", "--deep", "--offline")
     if swa_full:
-        assert code == 0 and "OK    sliding-window attention" in out and "Result: READY" in out, out
+        assert code == 0 and "OK    model memory" in out and "Result: READY" in out, out
+        assert "OK    restore compatibility (deep): supported" in out
     else:
         assert code == 4 and "Result: DEGRADED" in out, out
-        assert "WARN  sliding-window attention" in out and "add --swa-full" in out
-        assert "WARN  restore reuse (deep)" in out  # and the round trip proves it: nothing reused
+        assert "WARN  model memory" in out and "add --swa-full" in out
+        assert "WARN  restore compatibility (deep): broken" in out  # and the check proves it: nothing reused
+    assert not list(server.save_dir.iterdir())
 
 
 def test_sighup_reloads_instead_of_killing_the_daemon(

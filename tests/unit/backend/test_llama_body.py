@@ -137,7 +137,11 @@ def test_any_bytes_give_a_value_or_a_stable_refusal(body: bytes) -> None:
 
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)  # what llama-server's parser keeps as integers
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=30,
 )
@@ -155,6 +159,29 @@ def test_a_value_within_the_limits_reads_as_json_and_one_past_them_does_not(valu
     else:
         with pytest.raises(BodyLimit):
             read_json(body)
+
+
+@FAST
+@given(st.integers(min_value=2**64) | st.integers(max_value=-(2**63) - 1), st.booleans())
+def test_an_integer_past_64_bits_is_a_bad_request(n: int, in_a_list: bool) -> None:
+    """llama-server's parser reads such a number as a double (or fails past a double's range), which its
+    handlers then take for an integer field."""
+    with pytest.raises(BadRequest):
+        read_json(json.dumps([n] if in_a_list else {"n_predict": n}).encode())
+
+
+@pytest.mark.parametrize(
+    "text",
+    [r'"\ud800"', r'"a\udc00"', r'["x", "\uDBFF"]', r'{"\ud800": 1}', r'"\ude00\ud83d"', r'"\ud83d\u0041"'],
+)
+def test_a_lone_surrogate_escape_is_a_bad_request(text: str) -> None:
+    with pytest.raises(BadRequest):
+        read_json(text.encode())
+
+
+@pytest.mark.parametrize("text", [r'"\ud83d\ude00"', r'"\\\\ud800"', r'"\u00e9"', '"\u00e9 plain é"'])
+def test_paired_surrogates_and_escaped_backslashes_read_as_text(text: str) -> None:
+    assert read_json(text.encode()) == json.loads(text)
 
 
 def test_recorded_client_bodies_are_far_under_every_limit() -> None:

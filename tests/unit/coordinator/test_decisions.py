@@ -15,7 +15,14 @@ import pytest
 
 from kvsidecar.coordinator import decisions
 from kvsidecar.coordinator.costs import CostFigures, CostModel
-from kvsidecar.coordinator.decisions import Rules, SavedGeneration, ServerFacts, SessionFacts, SlotFacts
+from kvsidecar.coordinator.decisions import (
+    ModelFacts,
+    Rules,
+    SavedGeneration,
+    ServerFacts,
+    SessionFacts,
+    SlotFacts,
+)
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "checkpoint"
 CASES = sorted(GOLDEN.glob("*.json"))
@@ -31,6 +38,7 @@ DECISIONS: dict[str, Callable[..., Any]] = {
         decisions.protect_reason,
         decisions.protect_choice,
         decisions.protect_check_in,
+        decisions.save_useless,
     )
 }
 
@@ -74,6 +82,7 @@ ARGUMENTS: dict[str, Callable[[Any], Any]] = {
     "server": server,
     "costs": costs,
     "rules": lambda d: Rules(**d),
+    "model": lambda d: ModelFacts(**d),
 }
 
 

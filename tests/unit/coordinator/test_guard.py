@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvsidecar.backend.base import BackendCapabilities
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.coordinator.breaker import BreakerState
 from kvsidecar.coordinator.costs import CostModel
@@ -45,9 +46,24 @@ def srv(tmp_path: Path, clock: Clock) -> ServerRuntime:
     config = make_config(tmp_path)
     backend = FakeKvBackend(tmp_path / "snaps")
     server = build_servers(config, {"local": backend}, None, None, None, clock)["local"]
-    server.available = True
+    reached(server)
     server.slots[0].holder = "test"  # the caller holds the slot (Invariant 8)
     return server
+
+
+def reached(server: ServerRuntime) -> None:
+    """The server answered a probe: its identity (the one writer of what is known of it) is told so."""
+    caps = BackendCapabilities(
+        kind="fake",
+        alive=True,
+        slots_endpoint=True,
+        total_slots=1,
+        n_ctx=4096,
+        model_path="/m",
+        build_info="b",
+    )
+    server.identity.probed(caps, None)
+    assert server.available
 
 
 @pytest.fixture
@@ -202,7 +218,7 @@ async def test_a_trial_granted_as_the_cooldown_ends_is_ended_by_the_block(
     server = build_servers(
         make_config(tmp_path), {"local": FakeKvBackend(tmp_path / "s")}, None, None, None, clock
     )["local"]
-    server.available = True
+    reached(server)
     server.slots[0].holder = "test"
     breaker = server.breaker
     for _ in range(breaker.max_consecutive_failures):

@@ -194,8 +194,7 @@ async def test_pending_canary_takes_the_reference_slot_from_its_owner(tmp_path: 
         await h.turn("B")  # both slots owned
         ref = srv.slots[srv.canary_slot_id]
         assert ref.owner is not None
-        srv.canary = None
-        srv._compose()
+        await srv.refresh(force=True)  # fingerprinted again, not by the guard: the canary is pending
         assert srv.fingerprint is None
         await h.coordinator.guard.refresh(srv)  # what the probe loop does
         assert srv.fingerprint is not None and ref.owner is None
@@ -253,3 +252,28 @@ async def test_a_failing_post_restore_check_falls_back_cold_not_stuck_restoring(
     r, _, _, cache_n = await h.turn("A")
     assert r.outcome is Outcome.COLD_FALLBACK and cache_n == 0
     assert h.coordinator.sessions.by_key[key(h, "A")].state.value == "active_dirty"  # ran cold, not stuck
+
+
+def runtime_view(h: Harness) -> dict[str, object]:
+    (server,) = [s for s in h.coordinator.status()["servers"] if s["name"] == "local"]
+    view = server["runtime"]
+    assert isinstance(view, dict)
+    return view
+
+
+def runtime_state(h: Harness) -> object:
+    return runtime_view(h)["state"]
+
+
+async def test_status_shows_what_is_known_of_the_server_as_a_restart_is_found(h: Harness) -> None:
+    """Status says the identity's state: proven while the bracket holds, changed once a check fails
+    (nothing is trusted then), and proven again once the next probe has fingerprinted the new instance."""
+    await h.turn("A")
+    srv = h.coordinator.servers["local"]
+    assert runtime_state(h) == "proven"
+    h.fake.restart()
+    assert not await srv.same_instance()  # the nonce changed: the bracket's check fails
+    assert runtime_state(h) == "changed" and srv.fingerprint is None
+    await h.coordinator.guard.refresh(srv)
+    assert runtime_state(h) == "proven" and srv.fingerprint is not None
+    assert runtime_view(h)["restarts_seen"] == 1

@@ -408,3 +408,83 @@ async def test_unknown_routes_are_refused_in_any_spelling_and_known_ones_reach_l
                 assert resp.json()["error"]["code"] == "KV_PROXY_FORBIDDEN"
         else:
             assert resp.status == 200 and sent == [reaches], (method, target, resp.status, sent)
+
+
+HUGE = "1" + "0" * 400
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/completion", '{"prompt": "hi", "n_predict": ' + HUGE + "}"),
+        ("/completion", '{"prompt": "hi", "seed": 18446744073709551616}'),  # one past uint64
+        ("/completion", '{"prompt": "hi", "temperature": -' + HUGE + "}"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "seed": ' + HUGE + "}"),
+        ("/apply-template", '{"messages": [{"role": "user", "content": "x"}], "n": ' + HUGE + "}"),
+        ("/completion", '{"prompt": "hi \\ud800"}'),
+        ("/completion", '{"prompt": "hi \\uDBFF x"}'),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi \\udc00"}]}'),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}'),
+        (
+            "/v1/messages",
+            '{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "\\ud800"}]}',
+        ),
+        ("/tokenize", '{"content": ["a", "hi \\ud800"]}'),
+        ("/detokenize", '{"tokens": [999999999]}'),
+        ("/detokenize", '{"tokens": [-5]}'),
+        ("/detokenize", '{"tokens": [1, 2.5]}'),
+        ("/detokenize", '{"tokens": [true]}'),
+        ("/detokenize", '{"tokens": ["1"]}'),
+    ],
+)
+async def test_what_llama_server_cannot_parse_is_refused_before_it_is_forwarded(
+    r: Rig, path: str, body: str
+) -> None:
+    """llama-server answers these 400 (an integer past 64 bits, a lone surrogate escape) or 500 (an id
+    outside its vocabulary on `/detokenize`): the proxy refuses them itself, in the route's shape, before
+    any slot is taken."""
+    async with r.client() as c:
+        resp = await c.post(path, content=body.encode(), headers={"X-Session-Id": "s1", **AUTH})
+    assert resp.status_code == 400, resp.text
+    if path == "/v1/messages":
+        assert resp.json()["type"] == "error" and resp.json()["error"]["type"] == "invalid_request_error"
+    else:
+        assert resp.json()["error"]["code"] == "KV_BAD_REQUEST"
+    assert r.origin.requests == []
+    assert r.h.coordinator.status()["leases"] == 0 and not r.h.coordinator.sessions.by_key
+
+
+async def test_an_escaped_backslash_and_paired_surrogates_and_ids_of_the_vocabulary_pass(r: Rig) -> None:
+    bodies = {
+        "/completion": '{"prompt": "a \\\\ud800 b \\ud83d\\ude00", "seed": 18446744073709551615, "n_predict": 1}',
+        "/detokenize": '{"tokens": [0, 1, 2.0]}',
+    }
+    async with r.client() as c:
+        for path, body in bodies.items():
+            resp = await c.post(path, content=body.encode(), headers={"X-Session-Id": "s1", **AUTH})
+            assert resp.status_code == 200, resp.text
+    assert [q.target for q in r.origin.requests] == ["/completion", "/detokenize"]
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/messages/count_tokens", "/apply-template", "/completion"])
+async def test_a_content_encoding_on_a_body_read_as_json_never_reaches_llama_server(
+    r: Rig, path: str
+) -> None:
+    """llama-server (no zlib) answers an encoded body 415 with nothing in it: the gate read the body as
+    plain JSON, so the header is dropped on every route, pinned or not."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "content": "x", "prompt": "x"}
+    async with r.client() as c:
+        resp = await c.post(path, json=body, headers={"Content-Encoding": "gzip", **AUTH})
+    assert resp.status_code == 200, resp.text
+    assert "content-encoding" not in r.origin.requests[-1].headers
+
+
+async def test_an_encoded_form_is_refused(r: Rig) -> None:
+    async with r.client() as c:
+        resp = await c.post(
+            "/v1/audio/transcriptions",
+            content=b"--x\r\n\r\n--x--\r\n",
+            headers={"Content-Type": "multipart/form-data; boundary=x", "Content-Encoding": "gzip", **AUTH},
+        )
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "KV_BAD_REQUEST"
+    assert r.origin.requests == []

@@ -44,9 +44,8 @@ def with_modalities(r: Rig, said: dict[str, Any] | None) -> None:
     server = r.h.coordinator.servers["local"]
     assert server.caps is not None
     props = {k: v for k, v in server.caps.props.items() if k != "modalities"}
-    server.caps = dataclasses.replace(
-        server.caps, props=props if said is None else {**props, "modalities": said}
-    )
+    caps = dataclasses.replace(server.caps, props=props if said is None else {**props, "modalities": said})
+    server.identity.probed(caps, server.process)  # a probe's answer, told to the one writer of it
 
 
 def shape_of(path: str, resp: httpx.Response) -> str:
