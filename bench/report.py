@@ -692,6 +692,12 @@ def section_turns(d: dict[str, Any]) -> list[str]:
     return section(d)
 
 
+def section_router(d: dict[str, Any]) -> list[str]:
+    from bench_router import section  # bench/ is on sys.path when this script runs
+
+    return section(d)
+
+
 def notes(name: str) -> list[str]:
     """The hand-written analysis of a section (bench/notes/<name>.md), kept beside the generated tables."""
     path = ROOT / "bench" / "notes" / f"{name}.md"
@@ -722,6 +728,7 @@ def render() -> str:
         ("fleet", section_fleet, "fleet"),
         ("clients", section_clients, "clients"),
         ("turns", section_turns, "turns"),
+        ("router", section_router, "router"),
     )
     for name, fn, note in sections:
         data = load(name)

@@ -172,6 +172,13 @@ class Metrics:
         )
 
     def _proxy(self, r: CollectorRegistry) -> None:
+        # a router's models (docs/SWAPS.md): cause kvsidecar (saved first), router (LRU, operator), crash
+        self.router_unloads = Counter(
+            PREFIX + "router_unloads",
+            "Models of a router seen unloaded, by cause",
+            ["server", "cause"],
+            registry=r,
+        )
         self.proxy_request = Counter(
             PREFIX + "proxy_request",
             "Proxied requests: kind managed/auxiliary/passthrough/refused; result ok/error/aborted/"

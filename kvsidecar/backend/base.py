@@ -27,6 +27,9 @@ class BackendCapabilities:
     # In sleep mode (llama-server `--sleep-idle-seconds`, /props `is_sleeping`): the model and every slot's
     # KV are freed, and the next request that needs them loads the model again from its path.
     sleeping: bool = False
+    # Where the serving process listens when that is not the configured address (a router's model: its
+    # child on 127.0.0.1); the local process is found there. None: the configured address.
+    process_url: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

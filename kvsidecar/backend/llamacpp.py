@@ -229,6 +229,11 @@ class LlamaCppBackend:
         idle timer; `/slots` (which does both) only when `/props` leaves the slots unknown (older builds)."""
         props = await self._request("GET", "/props", what="probe /props")
         props = props if isinstance(props, dict) else {}
+        if props.get("role") == "router":  # its slots are its models' children's, never its own
+            raise BackendUnsupported(
+                f"probe /props: llama-server at {self.base_url} is a router (started without a model): give "
+                "each of its models a server entry with `model:` (its id in GET /models; docs/SWAPS.md)"
+            )
         sleeping = _is_sleeping(props)
         settings = props.get("default_generation_settings")
         n_ctx = _int(settings.get("n_ctx")) if isinstance(settings, dict) else None

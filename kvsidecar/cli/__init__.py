@@ -207,13 +207,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _offline_doctor(config: Config, deep: bool) -> dict[str, Any]:
-    from kvsidecar.backend.llamacpp import LlamaCppBackend
+    from kvsidecar.backend.llama_router import backend_for
     from kvsidecar.doctor.checks import Doctor
 
     async def run() -> dict[str, Any]:
         reports = []
         for name, server in config.servers.items():
-            backend = LlamaCppBackend.from_config(server)
+            backend = backend_for(server, name=name)
             try:
                 reports.append(
                     (await Doctor(config=config, server=name, backend=backend).run(deep=deep)).to_dict()

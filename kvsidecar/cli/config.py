@@ -229,6 +229,29 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config_router(args: argparse.Namespace) -> int:
+    """Print the `servers:` entries of a router's models, read from its GET /models."""
+    import asyncio
+
+    import yaml
+
+    from kvsidecar.backend.llama_router import read_router, server_entries
+    from kvsidecar.errors import KvError
+
+    url = args.url.rstrip("/")
+    try:
+        models = asyncio.run(read_router(url))
+    except KvError as exc:
+        print(f"kvsidecar: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    if not models:
+        print(f"kvsidecar: {url} lists no models: is it a llama-server router?", file=sys.stderr)
+        return 1
+    print(f"# the models of the router at {url} (docs/SWAPS.md); route a provider to any one of them")
+    sys.stdout.write(yaml.safe_dump({"servers": server_entries(url, models)}, sort_keys=False))
+    return 0
+
+
 def add_config_commands(sub: _Commands) -> None:
     cfg = sub.add_parser("config", help="configuration: init, check, schema").add_subparsers(
         dest="config_command", required=True, metavar="SUBCOMMAND"
@@ -260,3 +283,8 @@ def add_config_commands(sub: _Commands) -> None:
     cfg.add_parser("schema", help="print the config's JSON Schema (for editors)").set_defaults(
         func=cmd_config_schema
     )
+    router = cfg.add_parser(
+        "router", help="print a server entry for each model of a llama-server router (from its GET /models)"
+    )
+    router.add_argument("url", help="the router's address, e.g. http://127.0.0.1:8080")
+    router.set_defaults(func=cmd_config_router)

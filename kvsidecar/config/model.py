@@ -66,11 +66,35 @@ class Config(Section):
             for provider, server in self.routes.items()
             if server not in self.servers
         ]
+        out += self._router_problems()
         out += self.bind_problems("api")
         if self.proxy.enabled:
             out += self._proxy_problems(known) + self.bind_problems("proxy")
         if self.fleet.enabled:
             out += self.fleet.problems() + self._advertise_problems()
+        return out
+
+    def _router_problems(self) -> list[str]:
+        """The models of a router share its address, one entry per model, and no entry without a model
+        may claim the router's slots."""
+        out: list[str] = []
+        by_url: dict[str, list[tuple[str, ServerConfig]]] = {}
+        for name, server in self.servers.items():
+            by_url.setdefault(server.base_url.rstrip("/"), []).append((name, server))
+        for url, entries in by_url.items():
+            if len(entries) < 2:
+                continue
+            names = ", ".join(n for n, _ in entries)
+            models = [s.model for _, s in entries]
+            if all(m is None for m in models):
+                continue  # not a router's (two entries on one llama-server are the operator's to avoid)
+            if None in models:
+                out.append(
+                    f"servers: {names} share base_url {url}: only the models of a router may (set `model` "
+                    "on each)"
+                )
+            elif len(set(models)) != len(models):
+                out.append(f"servers: {names} name the same model of the router at {url}")
         return out
 
     def _advertise_problems(self) -> list[str]:
@@ -161,8 +185,19 @@ class Config(Section):
             return self.proxy.provider
         return next((p for p, s in self.routes.items() if s == self.proxy.server), None)
 
-    def server_for(self, provider: str) -> str | None:
-        return self.routes.get(provider)
+    def server_for(self, provider: str, model: str | None = None) -> str | None:
+        """The server a provider's call runs on. A provider routed to a model of a router goes by `model`
+        (the router runs each call on the model it names): the entry of that model on the same router, or
+        None (a model no entry manages: its calls pass through untouched)."""
+        name = self.routes.get(provider)
+        routed = self.servers.get(name) if name is not None else None
+        if routed is None or routed.model is None or model is None:
+            return name
+        url = routed.base_url.rstrip("/")
+        for other, server in self.servers.items():
+            if server.model == model and server.base_url.rstrip("/") == url:
+                return other
+        return None
 
     @property
     def ignored_keys(self) -> tuple[str, ...]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from kvsidecar.config.values import BaseUrl, PathValue, Section, home_path
 
@@ -22,6 +22,10 @@ class ServerConfig(Section):
     api_key_file: PathValue | None = None
     snapshot_dir: PathValue = home_path("~/.local/state/kvsidecar/snapshots")
     runtime_key: str | None = None
+    # A llama-server router (started without a model, `--models-dir`/`--models-preset`): `base_url` is the
+    # router and this entry is the one model of it named here, as `GET /models` lists its id. Each model is
+    # its own server entry (its own slots, fingerprint and sessions); docs/SWAPS.md.
+    model: str | None = Field(default=None, min_length=1, max_length=256)
     mode: Mode = Mode.SINGLE_SLOT
     slot_id: int = Field(default=0, ge=0)
     # managed-slots: keep the highest slot for auxiliary requests (titles, compaction), spec §72
@@ -36,3 +40,11 @@ class ServerConfig(Section):
     # flag shows (LLAMA_ARG_* settings, a model replaced in place, a remote server's command line).
     # Turn off only for an engine whose KV is not bit-reproducible (some GPU backends).
     runtime_canary: bool = True
+
+    @field_validator("model")
+    @classmethod
+    def _model_id(cls, value: str | None) -> str | None:
+        """A router's model id goes into a query string and a JSON body: printable, no controls."""
+        if value is not None and not all(c.isprintable() for c in value):
+            raise ValueError("a model id of printable characters (as GET /models lists it)")
+        return value

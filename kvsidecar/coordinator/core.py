@@ -53,6 +53,7 @@ from kvsidecar.coordinator.scope import ScopeGate, ScopeLedger
 from kvsidecar.coordinator.server import ProcessFinder, ServerRuntime, build_servers
 from kvsidecar.coordinator.sessions import SessionTable
 from kvsidecar.coordinator.state import HOOK_SCOPE, HOOK_SIGNAL, UNKNOWN_CLIENT, AcquireResult, Outcome
+from kvsidecar.coordinator.swaps import ModelSwaps
 from kvsidecar.coordinator.switch import Switch
 from kvsidecar.coordinator.telemetry import ResidencyObserver, Telemetry
 from kvsidecar.errors import ShuttingDown
@@ -104,7 +105,9 @@ class Coordinator:
         self.metrics = metrics or Metrics()
         self.clock = clock
         self.monotonic = monotonic
-        self.servers = build_servers(config, backends, process_finder, process_check, digests, monotonic)
+        self.servers = build_servers(
+            config, backends, process_finder, process_check, digests, monotonic, before_wake=self._load_model
+        )
         self.costs = CostModel()
         self.telemetry = Telemetry(self.metrics, self.costs)
         self.telemetry.observers.extend(observers)
@@ -130,6 +133,8 @@ class Coordinator:
         self.sections = views.StatusSections()
         if fleet_view is not None:
             self.sections.add("fleet", fleet_view)
+        if self.swaps.managed:
+            self.sections.add("router_models", self.swaps.view)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
 
@@ -183,6 +188,10 @@ class Coordinator:
             monotonic=self.monotonic,
             acquire_timeout_s=acquire_timeout_s,
         )
+        self.swaps = ModelSwaps(servers=self.servers, checkpoints=self.checkpoints, metrics=self.metrics)
+
+    async def _load_model(self, srv: ServerRuntime) -> None:
+        await self.swaps.load(srv)
 
     def _compose_requests(self, acquire_timeout_s: float | None) -> None:
         """The parts that serve requests: the switch, the acquire path, the end of a lease nobody released,
@@ -276,6 +285,7 @@ class Coordinator:
         while True:
             await asyncio.sleep(srv.config.probe_interval_s)
             await self.guard.refresh(srv)
+            self.swaps.observe(srv)  # a router's model unloaded meanwhile: reported
             # a directory whose path now leads elsewhere is logged (kv.store.dir_moved) even with no traffic
             self.store.dir_faults({srv.name: llama_save_dir(srv.process)})
             self.forget_idle_sessions()
@@ -287,8 +297,9 @@ class Coordinator:
         return self.sessions.forget_idle(held)
 
     # acquire -----------------------------------------------------------------------------------------
-    def route(self, provider: str) -> ServerRuntime | None:
-        name = self.config.server_for(provider)
+    def route(self, provider: str, model: str | None = None) -> ServerRuntime | None:
+        """The server of `provider`; a provider routed to a router's model goes by `model` (docs/SWAPS.md)."""
+        name = self.config.server_for(provider, model)
         return self.servers[name] if name is not None else None
 
     def session_key(
@@ -296,7 +307,7 @@ class Coordinator:
     ) -> tuple[str | None, str | None]:
         """(identity key, server) an acquire of these would manage; (None, None) for a bypass or an
         auxiliary request (fleet routing: nothing to route by). Bad labels are left to acquire."""
-        srv = self.route(provider)
+        srv = self.route(provider, model)
         if srv is None or purpose is not None or not self.config.enabled:
             return None, None
         key = managed_key(srv.name, provider=provider, model=model, session_id=session_id, scope=scope)
@@ -316,18 +327,21 @@ class Coordinator:
         extends: bool = False,
         signal: str = HOOK_SIGNAL,
         client: str = UNKNOWN_CLIENT,
+        runs_on: str | None = None,
     ) -> AcquireResult:
-        """`caller`: who waits (once gone, no lease). `scope`: the credential scope, part of the identity (an
-        id under another scope is another session). `prefix_from`: a same-scope session whose snapshot a
-        cold start may begin from (coldstart.py). `extends`: the prompt is known to extend the session's last
-        one (coordinator/scope.py). `signal`, `client`: what named it (its view and log events show them)."""
+        """`runs_on`: the model the call runs on when the label is not it (the proxy: the body's `model`;
+        it picks a router's model, docs/SWAPS.md). `caller`: who waits (once gone, no lease). `scope`: the
+        credential scope, part of the identity (an id under another scope is another session).
+        `prefix_from`: a same-scope session whose snapshot a cold start may begin from (coldstart.py).
+        `extends`: the prompt is known to extend the session's last one (coordinator/scope.py). `signal`,
+        `client`: what named it (its view and log events show them)."""
         validate_label("provider", provider)
         validate_label("model", model)
         if session_id is not None:
             validate_session_id(session_id)
         if prefix_from is not None:
             validate_session_id(prefix_from)
-        srv = self.route(provider)
+        srv = self.route(provider, model if runs_on is None else runs_on)
         if srv is None or not self.config.enabled or self._closing:
             return AcquireResult(
                 outcome=Outcome.BYPASS, reason="unmanaged provider" if srv is None else "disabled"

@@ -37,7 +37,7 @@ import logging
 import os
 import select
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psutil
@@ -86,8 +86,11 @@ class ServerRuntime:
         clock: Callable[[], float] = time.monotonic,
         model: str | None = None,
         memory_reader: MemoryReader = read_server_memory,
+        before_wake: Callable[[ServerRuntime], Awaitable[None]] | None = None,
     ) -> None:
         self.name = name
+        # what wakes a model a router unloaded: room made on the router first (coordinator/swaps.py)
+        self.before_wake = before_wake
         self.config = config
         self.backend = backend
         self.breaker = breaker
@@ -208,12 +211,14 @@ class ServerRuntime:
             caps = await self.backend.probe()
             if caps.sleeping and wake:
                 slept = caps  # the sleep is seen here: the answer after the wake is compared with it
+                if self.before_wake is not None:
+                    await self.before_wake(self)
                 await self.backend.wake()
                 caps = await self.backend.probe()
         except KvError as exc:
             return self.identity.probe_failed(exc.message, slept=slept)
         process = (
-            await asyncio.to_thread(self.process_finder, self.config.base_url)
+            await asyncio.to_thread(self.process_finder, caps.process_url or self.config.base_url)
             if self.process_finder
             else None
         )
@@ -408,6 +413,7 @@ def build_servers(
     process_check: Callable[[ProcessInfo], bool] | None,
     digests: FileDigestCache | None,
     monotonic: Callable[[], float],
+    before_wake: Callable[[ServerRuntime], Awaitable[None]] | None = None,
 ) -> dict[str, ServerRuntime]:
     """One runtime per configured server, each with its own breaker (different servers share nothing)."""
     return {
@@ -424,6 +430,8 @@ def build_servers(
             process_check=process_check,
             digests=digests,
             clock=monotonic,
+            model=cfg.model,
+            before_wake=before_wake,
         )
         for name, cfg in config.servers.items()
     }

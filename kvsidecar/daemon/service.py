@@ -29,7 +29,7 @@ from starlette.types import ASGIApp
 
 from kvsidecar.api.routes import create_app
 from kvsidecar.backend.base import KvBackend
-from kvsidecar.backend.llamacpp import LlamaCppBackend
+from kvsidecar.backend.llama_router import backend_for
 from kvsidecar.config import RESTART_ONLY, Config, is_loopback, load_config
 from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.coordinator.server import ProcessFinder
@@ -105,7 +105,7 @@ class Daemon:
     ) -> Coordinator:
         config, fleet = self.config, self.fleet
         if backends is None:
-            backends = {name: LlamaCppBackend.from_config(s) for name, s in config.servers.items()}
+            backends = {name: backend_for(s, name=name) for name, s in config.servers.items()}
         return Coordinator(
             config=config,
             store=self.store,

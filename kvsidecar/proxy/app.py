@@ -266,9 +266,12 @@ class Proxy:
         """A route that ignores id_slot is safe only where llama-server has no other slot to pick."""
         if call.route is not RouteKind.UNPINNED:
             return
-        caps = self.coordinator.servers[self.cfg.server].caps
+        routed = self.coordinator.route(self.provider, self.sessions.runs_on(call)) if self.provider else None
+        caps = (routed or self.coordinator.servers[self.cfg.server]).caps  # a router's: the model it runs on
         if caps is None:
             raise BackendUnavailable(f"llama-server at {self.upstream.base_url} has not answered a probe yet")
+        if caps.props.get("slots_known") is False:  # a router's model never loaded, no --parallel given
+            raise BackendUnavailable(f"{call.path}: the model is not loaded yet, its slot count is unknown")
         if caps.total_slots != 1:
             raise ProxyForbidden(
                 f"{call.path} runs on a slot llama-server picks itself (it ignores id_slot); with "
@@ -348,6 +351,7 @@ class Proxy:
                 ),
                 signal=call.signal or SIGNAL_NONE,  # what named it, and which client (the session's view)
                 client=answers.client_of(call.signal, scope["headers"], call.data),
+                runs_on=self.sessions.runs_on(call),
             )
         except KvError as exc:
             await self._refuse(exc, scope, receive, send)
@@ -370,7 +374,9 @@ class Proxy:
         """Pin the request to the lease's slot, forward it, release the lease with llama-server's numbers."""
         assert lease.lease_id is not None and lease.slot_id is not None
         turn = self.sessions.begin(call)  # the table knows the turn before its answer can end
-        release = Release(self.coordinator, lease.lease_id, held=self.sessions.held(call, lease.slot_id))
+        release = Release(
+            self.coordinator, lease.lease_id, held=self.sessions.held(call, lease.slot_id, lease.server)
+        )
         status, timings = "aborted", None
         try:
             body, pinned, convert = pinned_body(call, lease.slot_id)
@@ -416,5 +422,11 @@ class Proxy:
 
     async def _busy(self, slot_id: int | None) -> bool:
         """Is llama-server processing on `slot_id` (any slot: None)? Asked after a silence."""
-        slots = await self.coordinator.servers[self.cfg.server].backend.inspect_slots()
-        return any(s.is_processing for s in slots if slot_id is None or s.id == slot_id)
+        servers = self.coordinator.servers
+        url = servers[self.cfg.server].config.base_url
+        # a router's models share its address: any of them still working on that slot id counts
+        for srv in [s for s in servers.values() if s.config.base_url == url and not s.sleeping]:
+            slots = await srv.backend.inspect_slots()
+            if any(s.is_processing for s in slots if slot_id is None or s.id == slot_id):
+                return True
+        return False

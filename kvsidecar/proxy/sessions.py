@@ -251,11 +251,20 @@ class ProxySessions:
         )
         return found[0] if found is not None else None
 
-    def held(self, call: SlotCall, slot_id: int) -> Callable[[], Awaitable[int | None]] | None:
-        """For a session's turn: what its slot holds if the client leaves mid-answer (`slot_held`)."""
+    def held(
+        self, call: SlotCall, slot_id: int, server: str | None = None
+    ) -> Callable[[], Awaitable[int | None]] | None:
+        """For a session's turn: what its slot holds if the client leaves mid-answer (`slot_held`), on the
+        server of its lease (a router's model: the one the call runs on)."""
         if call.session is None:
             return None
-        return partial(slot_held, self.coordinator.servers[self.cfg.server].backend.inspect_slots, slot_id)
+        srv = self.coordinator.servers[server or self.cfg.server]
+        return partial(slot_held, srv.backend.inspect_slots, slot_id)
+
+    def runs_on(self, call: SlotCall) -> str | None:
+        """The model the call runs on as a router reads it (the body's `model`), None when it names none."""
+        model = call.data.get("model") if call.data is not None else None
+        return model if isinstance(model, str) and model else None
 
     def begin(self, call: SlotCall) -> int | None:
         """Its lease is granted and it is about to be sent: a session's turn is the conversation's latest

@@ -328,3 +328,38 @@ def test_schema_size_pattern_accepts_what_the_loader_accepts(text: str) -> None:
     except ConfigError:
         accepted = False
     assert (re.search(pattern, text) is not None) == accepted
+
+
+def _router_config(**extra: Any) -> Config:
+    url = "http://127.0.0.1:8080"
+    servers = {"coder": {"base_url": url, "model": "coder-7b"}, "chat": {"base_url": url, "model": "chat-3b"}}
+    return config_from_mapping({"servers": servers, "routes": {"local": "coder"}, **extra})
+
+
+def test_a_provider_routed_to_a_router_goes_by_the_model_the_call_names() -> None:
+    config = _router_config()
+    assert config.server_for("local", "chat-3b") == "chat"
+    assert config.server_for("local", "coder-7b") == "coder"
+    assert config.server_for("local") == "coder"  # no model named: the route as written
+    assert config.server_for("local", "not-managed") is None  # the router's other models pass through
+    assert config.server_for("unknown", "chat-3b") is None
+    plain = config_from_mapping({})
+    assert plain.server_for("local", "anything") == "local"  # a plain llama-server runs its one model
+
+
+def test_the_models_of_a_router_need_an_entry_each() -> None:
+    url = "http://127.0.0.1:8080"
+    with pytest.raises(ConfigError, match="only the models of a router may"):
+        config_from_mapping({"servers": {"local": {"base_url": url}, "b": {"base_url": url, "model": "b"}}})
+    with pytest.raises(ConfigError, match="name the same model"):
+        config_from_mapping(
+            {
+                "servers": {
+                    "local": {"base_url": url, "model": "m"},
+                    "b": {"base_url": url + "/", "model": "m"},
+                }
+            }
+        )
+    with pytest.raises(ConfigError, match="printable"):
+        config_from_mapping({"servers": {"local": {"model": "a\nb"}}})
+    assert _router_config().servers["chat"].model == "chat-3b"

@@ -8,11 +8,14 @@ from typing import NoReturn
 
 import pytest
 
+from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.coordinator.breaker import BreakerState
+from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.coordinator.state import Lease, Outcome, SessionState
 from kvsidecar.errors import InvalidSessionId, LeaseNotFound, MetadataIO, SaveFailed, ShuttingDown, SlotBusy
 from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.store.naming import SnapshotIdentity
+from kvsidecar.store.snapshots import SnapshotStore
 from kvsidecar.testing.poll import until
 from tests.unit.coordinator_helpers import Harness, make_config, start_harness
 
@@ -553,3 +556,28 @@ async def test_a_reload_reaches_every_part_that_reads_the_live_config(tmp_path: 
         assert c.saver.config.checkpoint.idle_s == c.checkpoints.config.checkpoint.idle_s == 123
     finally:
         await c.aclose()
+
+
+async def test_a_router_s_model_is_chosen_by_the_model_the_call_runs_on(tmp_path: Path) -> None:
+    """Each model of a router is its own server; the hook API's model, or the proxy's body `model`
+    (`runs_on`), picks it, and a model no entry manages passes through."""
+    url = "http://127.0.0.1:8080"
+    config = make_config(
+        tmp_path,
+        servers={"local": {"base_url": url, "model": "coder"}, "chat": {"base_url": url, "model": "chat"}},
+    )
+    snaps = {name: tmp_path / "snaps" for name in ("local", "chat")}
+    store = SnapshotStore(state_dir=config.state_dir, snapshot_dirs=snaps, verify_checksum=True)
+    store.open()
+    fakes = {name: FakeKvBackend(tmp_path / "snaps") for name in ("local", "chat")}
+    coordinator = Coordinator(config=config, store=store, backends=dict(fakes), process_finder=None)
+    await coordinator.start()
+    try:
+        hook = await coordinator.acquire("s1", provider="local", model="chat")
+        proxied = await coordinator.acquire("s2", provider="local", model="default", runs_on="coder")
+        other = await coordinator.acquire("s3", provider="local", model="default", runs_on="another")
+        assert (hook.server, proxied.server) == ("chat", "local")
+        assert other.outcome is Outcome.BYPASS and other.reason == "unmanaged provider"
+        assert coordinator.session_key("s1", "local", "chat", None)[1] == "chat"
+    finally:
+        await coordinator.aclose()

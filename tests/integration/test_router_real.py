@@ -1,0 +1,174 @@
+"""A llama-server router's models swap without losing a turn, on a real llama-server 11434 router (two
+generated models, `--models-max 1`, `--parallel 2`) and the real daemon with its proxy.
+
+Each model is a server entry of its own (`servers.NAME.model`). Sessions name their model in the body, as
+the router routes; the proxy pins each to a slot of that model's child. A request for the other model makes
+kvsidecar save the loaded model's dirty slots, unload it and load the other; back on the first model, each
+session is restored and llama-server reuses its whole earlier prompt. A child killed with kill -9 is
+reported (log event, status, metric) and its session comes back from its last snapshot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvsidecar.client import KvSidecar
+from kvsidecar.testing.daemon import DaemonProcess
+from kvsidecar.testing.llama import vocab_dir, words
+from kvsidecar.testing.poll import eventually
+from kvsidecar.testing.router import LlamaRouter, models_dir
+
+TURN_TOKENS = 300
+
+
+@pytest.fixture
+def router(llama_bin: Path, tmp_path: Path) -> Any:
+    models = models_dir(tmp_path / "models", llama_bin, vocab_dir(llama_bin), {"alpha": 1234, "beta": 99})
+    rt = LlamaRouter(
+        binary=llama_bin,
+        models_dir=models,
+        slot_save_path=tmp_path / "snap",
+        log_path=tmp_path / "router.log",
+    ).start()
+    yield rt
+    rt.stop()
+
+
+def daemon_for(rt: LlamaRouter, work: Path) -> DaemonProcess:
+    entry = {"base_url": rt.base_url, "snapshot_dir": str(rt.slot_save_path), "mode": "managed-slots"}
+    return DaemonProcess(
+        work,
+        base_url=rt.base_url,
+        snapshot_dir=rt.slot_save_path,
+        servers={"local": {**entry, "model": "alpha"}, "beta": {**entry, "model": "beta"}},
+        proxy={"enabled": True, "server": "local"},
+        # only a swap saves here: no idle save, no background save
+        checkpoint={"idle_s": None, "max_unsaved_s": 0, "policy": "save-before-evict"},
+    )
+
+
+class Sessions:
+    """Agent turns through the proxy: each session's prompt grows by TURN_TOKENS a turn."""
+
+    def __init__(self, daemon: DaemonProcess) -> None:
+        self.daemon, self.n = daemon, dict[str, int]()
+
+    def turn(self, session: str, model: str) -> tuple[str, int, int]:
+        self.n[session] = self.n.get(session, 0) + 1
+        body = {
+            "model": model,
+            "prompt": words(session, TURN_TOKENS * self.n[session]),
+            "n_predict": 2,
+            "cache_prompt": True,
+            "temperature": 0,
+        }
+        headers = {**self.daemon.auth, "X-Session-Id": session}
+        r = httpx.post(f"{self.daemon.proxy_url}/completion", json=body, headers=headers, timeout=300)
+        assert r.status_code == 200, r.text
+        t = r.json()["timings"]
+        return r.headers["x-kv-outcome"], t["prompt_n"], t["cache_n"]
+
+    def status(self) -> dict[str, Any]:
+        data = httpx.get(f"{self.daemon.url}/v1/status", headers=self.daemon.auth, timeout=30).json()
+        assert isinstance(data, dict)
+        return data
+
+
+def test_a_swap_saves_before_the_unload_and_restores_after_the_load(
+    router: LlamaRouter, tmp_path: Path
+) -> None:
+    daemon = daemon_for(router, tmp_path / "d").start()
+    try:
+        s = Sessions(daemon)
+        first = {x: s.turn(x, "alpha") for x in ("A1", "A2")}
+        assert all(o == "cold" for o, _, _ in first.values()), first
+        assert router.states() == {"alpha": "loaded", "beta": "unloaded"}
+        assert not list(router.slot_save_path.glob("*.bin"))  # nothing saved yet: both turns unsaved
+
+        outcome, _, _ = s.turn("B1", "beta")  # the router can hold one model: alpha goes
+        assert outcome == "cold"
+        assert router.states() == {"alpha": "unloaded", "beta": "loaded"}
+        assert len(list(router.slot_save_path.glob("*.bin"))) >= 2  # A1 and A2, saved before the unload
+
+        for x in ("A1", "A2"):  # alpha comes back (beta saved, unloaded): each session restored warm
+            outcome, prompt_n, cache_n = s.turn(x, "alpha")
+            resident = first[x][1] + first[x][2]  # what a resident slot would have reused: the whole prompt
+            assert outcome == "restored", (x, outcome)
+            assert cache_n >= 0.95 * resident, (x, cache_n, resident)
+            assert prompt_n + cache_n > resident, (x, prompt_n)  # the turn's new words computed on top
+        assert router.states() == {"alpha": "loaded", "beta": "unloaded"}
+        outcome, _, cache_n = s.turn("B1", "beta")  # and beta's session, saved at its unload
+        assert outcome == "restored" and cache_n > TURN_TOKENS, (outcome, cache_n)  # > 1 token a word
+
+        views = s.status()["router_models"]
+        assert views["local"]["unloads"] == {"kvsidecar": 2} and views["beta"]["unloads"] == {"kvsidecar": 1}
+    finally:
+        daemon.stop()
+
+
+def test_a_child_killed_is_reported_and_its_session_comes_back(router: LlamaRouter, tmp_path: Path) -> None:
+    daemon = daemon_for(router, tmp_path / "d").start()
+    try:
+        s = Sessions(daemon)
+        _, p1, c1 = s.turn("A1", "alpha")
+        s.turn("B1", "beta")  # A1 saved, alpha unloaded by kvsidecar
+        assert s.turn("A1", "alpha")[0] == "restored"
+
+        router.kill_child("alpha")  # a crash: the router did not unload it, nor did kvsidecar
+
+        def crash_seen() -> dict[str, Any] | None:
+            view = s.status()["router_models"]["local"]
+            return view if view["unloads"].get("crash") == 1 else None
+
+        view = eventually(crash_seen, timeout_s=60, what="the crash of alpha's child in status")
+        assert view["last_unload"]["cause"] == "crash" and view["last_unload"]["exit_code"] not in (None, 0)
+        assert "kv.router.model_unloaded" in daemon.log() and "cause=crash" in daemon.log()
+        metrics = httpx.get(f"{daemon.url}/metrics", headers=daemon.auth, timeout=30).text
+        assert 'kvsidecar_router_unloads_total{cause="crash",server="local"} 1.0' in metrics
+
+        # its next turn loads alpha again and restores A1's last snapshot (its first turn): the second
+        # turn, never saved, is what the crash cost (the unsaved bound)
+        outcome, _, cache_n = s.turn("A1", "alpha")
+        assert outcome == "restored", outcome
+        assert cache_n >= 0.95 * (p1 + c1), (cache_n, p1 + c1)
+
+        router.unload("alpha")  # an operator's POST /models/unload: neither kvsidecar's nor a crash
+        eventually(
+            lambda: s.status()["router_models"]["local"]["unloads"].get("router") == 1,
+            timeout_s=60,
+            what="the operator's unload of alpha in status",
+        )
+    finally:
+        daemon.stop()
+
+
+def test_the_hook_api_names_the_model_its_lease_is_for(router: LlamaRouter, tmp_path: Path) -> None:
+    """An acquire over the hook API names the model: its lease is a slot of that model's child, which a
+    request to the router with that `model` and the lease's `id_slot` runs on."""
+    daemon = daemon_for(router, tmp_path / "d").start()
+    try:
+        prompt = words("H", TURN_TOKENS)
+        for turn in (1, 2):
+            with (
+                KvSidecar(daemon.url, token=daemon.token) as kv,
+                kv.acquire("H", provider="local", model="beta") as lease,
+            ):
+                body = {
+                    "model": "beta",
+                    "prompt": prompt,
+                    "n_predict": 2,
+                    "cache_prompt": True,
+                    "id_slot": lease.slot_id,
+                }
+                t = httpx.post(f"{router.base_url}/completion", json=body, timeout=300).json()["timings"]
+                lease.report(prompt_tokens=t["prompt_n"], cached_tokens=t["cache_n"])
+            assert router.states() == {"alpha": "unloaded", "beta": "loaded"}  # loaded for the lease
+            if turn == 2:
+                assert lease.outcome == "resident" and t["cache_n"] >= t["prompt_n"], (lease, t)
+        views = httpx.get(f"{daemon.url}/v1/sessions", headers=daemon.auth, timeout=30).json()["sessions"]
+        assert [v["server"] for v in views] == ["beta"], views
+    finally:
+        daemon.stop()
