@@ -53,6 +53,13 @@ class RestoreResponse(BaseModel):
     shared_tokens: int | None = Field(
         description="tokens of another session's snapshot a cold start began from (prefix_from)"
     )
+    plan: str | None = Field(
+        description="what the start plan decided: restore, carry_over, donor, keep, erase (null: no plan)"
+    )
+    plan_reason: str | None = Field(description="the plan's stable reason code (docs/MODELS.md)")
+    memory_class: str | None = Field(description="the model's memory class: plain, swa, hybrid, ...")
+    expected_reuse: int | None = Field(description="tokens the plan expects llama-server to reuse")
+    proved: bool | None = Field(description="the prompt's tokens proved that reuse")
 
 
 class AcquireResponse(RestoreResponse):

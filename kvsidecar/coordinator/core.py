@@ -32,7 +32,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, Literal, TypeVar
 
-from kvsidecar.backend.base import KvBackend
+from kvsidecar.backend.base import KvBackend, PromptTokenizer
+from kvsidecar.backend.prompts import PromptTokens
 from kvsidecar.config import RESTART_ONLY, Config
 from kvsidecar.coordinator import views
 from kvsidecar.coordinator.acquire import Acquirer, ReleaseStatus
@@ -45,6 +46,7 @@ from kvsidecar.coordinator.guard import PersistGuard
 from kvsidecar.coordinator.leases import LeaseTable
 from kvsidecar.coordinator.operations import INVALIDATED, SessionOperations
 from kvsidecar.coordinator.ownership import KeyGate, KeyOwnership
+from kvsidecar.coordinator.plan import PLAIN_CLASS
 from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.restore import Restorer
 from kvsidecar.coordinator.runtime import RuntimeGuard
@@ -291,6 +293,15 @@ class Coordinator:
         name = self.config.server_for(provider)
         return self.servers[name] if name is not None else None
 
+    def tokenizer_for_plan(self, provider: str) -> PromptTokenizer | None:
+        """llama-server's tokenizer, when a request's prompt tokens can change what its session starts from
+        (plan.py): every memory class but plain attention, whose restore of the newest point needs no proof
+        (None: plain, or not one of ours)."""
+        srv = self.route(provider)
+        if srv is None or self.restorer.planner.memory_kind(srv) == PLAIN_CLASS:
+            return None
+        return srv.backend
+
     def session_key(
         self, session_id: str, provider: str, model: str, purpose: str | None, scope: str = HOOK_SCOPE
     ) -> tuple[str | None, str | None]:
@@ -316,11 +327,13 @@ class Coordinator:
         extends: bool = False,
         signal: str = HOOK_SIGNAL,
         client: str = UNKNOWN_CLIENT,
+        prompt: PromptTokens | None = None,
     ) -> AcquireResult:
         """`caller`: who waits (once gone, no lease). `scope`: the credential scope, part of the identity (an
         id under another scope is another session). `prefix_from`: a same-scope session whose snapshot a
         cold start may begin from (coldstart.py). `extends`: the prompt is known to extend the session's last
-        one (coordinator/scope.py). `signal`, `client`: what named it (its view and log events show them)."""
+        one (coordinator/scope.py). `signal`, `client`: what named it (its view and log events show them).
+        `prompt`: the request's tokens, or why they are unknown: what its start is planned from (plan.py)."""
         validate_label("provider", provider)
         validate_label("model", model)
         if session_id is not None:
@@ -351,7 +364,15 @@ class Coordinator:
             )
         named = (client, signal)
         return await self.acquirer.acquire(
-            srv, identity, seq=seq, caller=caller, scope=scope, donor=donor, extends=extends, named=named
+            srv,
+            identity,
+            seq=seq,
+            caller=caller,
+            scope=scope,
+            donor=donor,
+            extends=extends,
+            named=named,
+            prompt=prompt,
         )
 
     # release: `self.release` is the acquirer's (lease ends, numbers of the run, a turn cut short) ----------

@@ -328,7 +328,7 @@ def _own_unproven(f: StartFacts, rule: str) -> StartPlan:
         return StartPlan(kind=ERASE, reason=R_SWA_UNKNOWN, rule=rule)
     if rule == PLAIN:
         return StartPlan(kind=kind, reason=R_UNPROVEN_PLAIN, rule=rule, point=newest.generation)
-    ram_may_hold = f.flags.ram_cache != "off" and f.flags.ran_on_instance
+    ram_may_hold = f.flags.ram_cache == "on" and f.flags.ran_on_instance  # unknown: cannot prove it
     if ram_may_hold:
         return StartPlan(kind=KEEP, reason=R_UNKNOWN_RAM, rule=rule)
     return StartPlan(kind=kind, reason=R_UNPROVEN_NO_RAM, rule=rule, point=newest.generation)

@@ -26,6 +26,7 @@ from typing import Any, Final
 
 from starlette.responses import Response
 
+from kvsidecar.coordinator import plan
 from kvsidecar.coordinator.core import INVALIDATED
 from kvsidecar.coordinator.state import UNKNOWN_CLIENT, AcquireResult, Outcome
 from kvsidecar.errors import (
@@ -128,6 +129,7 @@ REASONS: frozenset[str] = frozenset(
         *(v for k, v in vars(table).items() if k.isupper() and isinstance(v, str)),
         *(v for k, v in vars(manifest).items() if k.isupper() and isinstance(v, str) and v.isupper()),
         *HTTP_STATUS,
+        *plan.REASONS,
     }
 )
 WARM = frozenset({Outcome.RESIDENT, Outcome.RESTORED})
@@ -207,4 +209,11 @@ def kv_headers(result: AcquireResult, *, restore_enabled: bool = True) -> list[t
         out.append((b"x-kv-restore-ms", f"{result.restore_ms:.1f}".encode()))
     if result.shared_tokens is not None:  # a cold start began from another session's snapshot
         out.append((b"x-kv-shared-tokens", str(result.shared_tokens).encode()))
+    if result.plan is not None:  # what the start plan decided, and why (coordinator/plan.py)
+        out.append((b"x-kv-plan", result.plan.encode()))
+        out.append((b"x-kv-plan-reason", (result.plan_reason or OTHER).encode()))
+        out.append((b"x-kv-memory-class", (result.memory_class or "unknown").encode()))
+        if result.expected_reuse is not None:
+            out.append((b"x-kv-expected-reuse", str(result.expected_reuse).encode()))
+        out.append((b"x-kv-proved", b"true" if result.proved else b"false"))
     return out

@@ -60,6 +60,7 @@ from kvsidecar.backend.llama_http import (
     llama_path,
     read_api_key,
 )
+from kvsidecar.backend.prompts import PromptTokens
 from kvsidecar.config import Config
 from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.core import Coordinator
@@ -83,6 +84,7 @@ from kvsidecar.proxy.forward import Convert, Forwarder, Outbound, Release, lifes
 from kvsidecar.proxy.gate import admit
 from kvsidecar.proxy.outbound import Outbounds, pinned_body
 from kvsidecar.proxy.peers import HOP, PeerProxies, as_host
+from kvsidecar.proxy.prompt_tokens import request_tokens_of
 from kvsidecar.proxy.sessions import ProxySessions, SlotCall
 from kvsidecar.proxy.upstream import Upstream
 
@@ -333,6 +335,7 @@ class Proxy:
         watch = asyncio.ensure_future(watch_disconnect(receive, caller))
         try:
             self._check_unpinned(call)
+            prompt = await self._prompt_tokens(call, provider)
             return await self.coordinator.acquire(
                 call.session,
                 provider=provider,
@@ -346,6 +349,7 @@ class Proxy:
                 ),
                 signal=call.signal or SIGNAL_NONE,  # what named it, and which client (the session's view)
                 client=answers.client_of(call.signal, scope["headers"], call.data),
+                prompt=prompt,
             )
         except KvError as exc:
             await self._refuse(exc, scope, receive, send)
@@ -353,6 +357,15 @@ class Proxy:
         finally:
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
+
+    async def _prompt_tokens(self, call: SlotCall, provider: str) -> PromptTokens | None:
+        """The tokens a session's request puts in its slot, when they can change what it starts from (every
+        memory class but plain attention; coordinator/plan.py). Unknown tokens are a fact for the plan, never
+        an error: the request is forwarded as sent either way."""
+        if call.session is None:
+            return None
+        tok = self.coordinator.tokenizer_for_plan(provider)
+        return None if tok is None else await request_tokens_of(tok, call)
 
     async def _run(
         self,
