@@ -20,6 +20,7 @@ from functools import partial
 
 from kvsidecar.backend.prompts import PromptTokens
 from kvsidecar.coordinator.checkpoint import CheckpointPolicy
+from kvsidecar.coordinator.plan import PLAIN_CLASS
 from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.restore import Restorer
 from kvsidecar.coordinator.runtime import RuntimeGuard
@@ -122,7 +123,10 @@ class Switch:
         if rt is not None:
             self.telemetry.switch(srv.name, slot.id, rt, result.evicted)
             held_by = evicted.key if evicted is not None else None
-            await self.gate.before_replace(srv, slot, held_by)
+            # a model whose snapshots a next prompt may not use (not plain): the RAM cache keeps the evicted
+            # session's KV with its checkpoints, as llama-server alone would (coordinator/plan.py)
+            owned_too = (await self.restorer.planner.memory(srv)).kind != PLAIN_CLASS
+            await self.gate.before_replace(srv, slot, held_by, owned_too=owned_too)
             await self.restorer.load(
                 srv, slot, rt, result, donor=donor, held_by=held_by, own=own, share=share, prompt=prompt
             )
