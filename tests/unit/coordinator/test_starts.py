@@ -13,6 +13,7 @@ from kvsidecar.coordinator import plan, starts
 from kvsidecar.coordinator.state import HOOK_SCOPE, AcquireResult, Outcome
 from kvsidecar.fingerprint.memory_class import HYBRID, MemoryClass
 from kvsidecar.store.naming import SnapshotIdentity
+from tests.unit.coordinator.test_scope import process
 from tests.unit.coordinator_helpers import Harness, conversation, start_harness
 
 
@@ -143,5 +144,28 @@ async def test_planner_remembers_the_instance_a_session_ran_on(tmp_path: Path) -
         assert planner._ran.get(rt.key) == ("local", planner.guard.epoch(srv))
         planner.guard.forget_residency(srv, "restarted")
         assert planner._ran.get(rt.key) != ("local", planner.guard.epoch(srv))
+    finally:
+        await h.coordinator.aclose()
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+async def test_a_switch_hands_a_non_plain_sessions_kv_to_the_ram_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hybrid: bool
+) -> None:
+    """llama-server alone copies a slot's KV (with its checkpoints) into its RAM cache before another
+    prompt replaces it. On a hybrid model kvsidecar does the same for the session it evicts (its next
+    prompt may not be able to use its snapshot); on plain attention the snapshot serves, nothing is parked."""
+    if hybrid:
+        _hybrid(monkeypatch)
+    h = await start_harness(tmp_path)
+    try:
+        h.process[0] = process()  # seen: its settings say the RAM cache is on
+        await h.coordinator.guard.refresh(h.coordinator.servers["local"], force=True)
+        await _run(h, "A", conversation("A", 1))
+        h.calls()
+        await _run(h, "B", conversation("B", 1))
+        calls = h.calls()
+        assert calls[0] == "save"
+        assert ("prompt" in calls) is hybrid, calls
     finally:
         await h.coordinator.aclose()
