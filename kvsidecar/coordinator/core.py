@@ -293,12 +293,12 @@ class Coordinator:
         name = self.config.server_for(provider)
         return self.servers[name] if name is not None else None
 
-    def tokenizer_for_plan(self, provider: str) -> PromptTokenizer | None:
+    def tokenizer_for_plan(self, provider: str, *, always: bool = False) -> PromptTokenizer | None:
         """llama-server's tokenizer, when a request's prompt tokens can change what its session starts from
-        (plan.py): every memory class but plain attention, whose restore of the newest point needs no proof
-        (None: plain, or not one of ours)."""
+        (plan.py): every memory class but plain attention, whose restore of the newest point needs no proof,
+        and `always` (a donor is proposed: chosen by the tokens it shares). None: not one of ours."""
         srv = self.route(provider)
-        if srv is None or self.restorer.planner.memory_kind(srv) == PLAIN_CLASS:
+        if srv is None or (not always and self.restorer.planner.memory_kind(srv) == PLAIN_CLASS):
             return None
         return srv.backend
 

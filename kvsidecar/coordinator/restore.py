@@ -216,7 +216,7 @@ class Restorer:
             if rejections and candidate is None and result.outcome is Outcome.COLD:
                 result.outcome, result.reason = Outcome.COLD_FALLBACK, rejections[0].reason
                 self.sessions.apply(rt, SessionEvent.REJECTED)
-            else:
+            elif candidate is not None:  # a snapshot the plan did not restore: why (X-KV-Reason)
                 result.reason = plan.reason
             return False, False
         if candidate is None and rejections:

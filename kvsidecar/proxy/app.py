@@ -335,7 +335,8 @@ class Proxy:
         watch = asyncio.ensure_future(watch_disconnect(receive, caller))
         try:
             self._check_unpinned(call)
-            prompt = await self._prompt_tokens(call, provider)
+            donor = self.sessions.donor(call)
+            prompt = await self._prompt_tokens(call, provider, donor=donor is not None)
             return await self.coordinator.acquire(
                 call.session,
                 provider=provider,
@@ -343,7 +344,7 @@ class Proxy:
                 purpose=None if call.session is not None else AUX_PURPOSE,
                 caller=caller,
                 scope=self.scope(call),
-                prefix_from=self.sessions.donor(call),
+                prefix_from=donor,
                 extends=self.sessions.conversations.known_extension(
                     call.credential, call.session, call.norm, new=call.new, diverged=call.diverged
                 ),
@@ -358,13 +359,13 @@ class Proxy:
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
 
-    async def _prompt_tokens(self, call: SlotCall, provider: str) -> PromptTokens | None:
+    async def _prompt_tokens(self, call: SlotCall, provider: str, *, donor: bool) -> PromptTokens | None:
         """The tokens a session's request puts in its slot, when they can change what it starts from (every
-        memory class but plain attention; coordinator/plan.py). Unknown tokens are a fact for the plan, never
-        an error: the request is forwarded as sent either way."""
+        memory class but plain attention, and a donor proposed on any: coordinator/plan.py). Unknown tokens
+        are a fact for the plan, never an error: the request is forwarded as sent either way."""
         if call.session is None:
             return None
-        tok = self.coordinator.tokenizer_for_plan(provider)
+        tok = self.coordinator.tokenizer_for_plan(provider, always=donor)
         return None if tok is None else await request_tokens_of(tok, call)
 
     async def _run(
