@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, Literal, TypeVar
 
-from kvsidecar.backend.base import KvBackend, PromptTokenizer
+from kvsidecar.backend.base import KvBackend
 from kvsidecar.backend.prompts import PromptTokens
 from kvsidecar.config import RESTART_ONLY, Config
 from kvsidecar.coordinator import views
@@ -46,7 +46,6 @@ from kvsidecar.coordinator.guard import PersistGuard
 from kvsidecar.coordinator.leases import LeaseTable
 from kvsidecar.coordinator.operations import INVALIDATED, SessionOperations
 from kvsidecar.coordinator.ownership import KeyGate, KeyOwnership
-from kvsidecar.coordinator.plan import PLAIN_CLASS
 from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.restore import Restorer
 from kvsidecar.coordinator.runtime import RuntimeGuard
@@ -293,15 +292,6 @@ class Coordinator:
         name = self.config.server_for(provider)
         return self.servers[name] if name is not None else None
 
-    def tokenizer_for_plan(self, provider: str, *, always: bool = False) -> PromptTokenizer | None:
-        """llama-server's tokenizer, when a request's prompt tokens can change what its session starts from
-        (plan.py): every memory class but plain attention, whose restore of the newest point needs no proof,
-        and `always` (a donor is proposed: chosen by the tokens it shares). None: not one of ours."""
-        srv = self.route(provider)
-        if srv is None or (not always and self.restorer.planner.memory_kind(srv) == PLAIN_CLASS):
-            return None
-        return srv.backend
-
     def session_key(
         self, session_id: str, provider: str, model: str, purpose: str | None, scope: str = HOOK_SCOPE
     ) -> tuple[str | None, str | None]:
@@ -362,7 +352,6 @@ class Coordinator:
             donor = SnapshotIdentity(
                 server=srv.name, provider=provider, model=model, session_id=prefix_from, scope=scope
             )
-        named = (client, signal)
         return await self.acquirer.acquire(
             srv,
             identity,
@@ -371,7 +360,7 @@ class Coordinator:
             scope=scope,
             donor=donor,
             extends=extends,
-            named=named,
+            named=(client, signal),
             prompt=prompt,
         )
 

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from kvsidecar.backend.base import PromptTokenizer
 from kvsidecar.backend.prompts import KnownTokens, PromptTokens
 from kvsidecar.coordinator.costs import CostFigures, CostModel
 from kvsidecar.coordinator.plan import (
+    PLAIN_CLASS,
     DonorFacts,
     Flags,
     ModelFacts,
@@ -102,6 +104,12 @@ class Planner:
         """The class last read for `srv` (unknown before its first plan)."""
         known = self._memory.get(srv.name)
         return known[1].kind if known is not None else UNKNOWN
+
+    def tokenizer_for(self, srv: ServerRuntime, *, always: bool = False) -> PromptTokenizer | None:
+        """llama-server's tokenizer, when a request's tokens can change what its session starts from: every
+        class but plain (whose newest point needs no proof), and `always` (a donor is proposed: chosen by the
+        tokens it shares)."""
+        return None if not always and self.memory_kind(srv) == PLAIN_CLASS else srv.backend
 
     def ran(self, srv: ServerRuntime, rt: SessionRuntime) -> None:
         """`rt` runs on the current instance of `srv` (so its RAM cache may hold it)."""

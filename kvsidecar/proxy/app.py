@@ -365,7 +365,8 @@ class Proxy:
         are a fact for the plan, never an error: the request is forwarded as sent either way."""
         if call.session is None:
             return None
-        tok = self.coordinator.tokenizer_for_plan(provider, always=donor)
+        srv = self.coordinator.route(provider)
+        tok = None if srv is None else self.coordinator.restorer.planner.tokenizer_for(srv, always=donor)
         return None if tok is None else await request_tokens_of(tok, call)
 
     async def _run(
