@@ -698,6 +698,25 @@ def section_router(d: dict[str, Any]) -> list[str]:
     return section(d)
 
 
+def section_plan_classes(d: dict[str, Any]) -> list[str]:
+    """Two sessions on one slot per memory class, three ways (bench/bench_plan_classes.py)."""
+    ways = ("alone", "alone-no-cache", "kvsidecar")
+    out = [
+        "## What each memory class starts from: two sessions on one slot, three ways",
+        "",
+        f"`bench/bench_plan_classes.py`, {d['script']['turns']} turns per session, one run. Prompt tokens "
+        "computed in all (`timings.prompt_n` summed) and the median seconds per turn (alone with llama-server's "
+        "defaults / alone with `--cache-ram 0` / through kvsidecar).",
+        "",
+        "| class | alone, defaults | alone, `--cache-ram 0` | through kvsidecar | median turn s |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for label, row in d["classes"].items():
+        times = " / ".join(f"{row[w]['median_turn_s']:.2f}" for w in ways)
+        out.append(f"| {label} | " + " | ".join(f"{row[w]['computed']:,}" for w in ways) + f" | {times} |")
+    return [*out, ""]
+
+
 def notes(name: str) -> list[str]:
     """The hand-written analysis of a section (bench/notes/<name>.md), kept beside the generated tables."""
     path = ROOT / "bench" / "notes" / f"{name}.md"
@@ -729,6 +748,7 @@ def render() -> str:
         ("clients", section_clients, "clients"),
         ("turns", section_turns, "turns"),
         ("router", section_router, "router"),
+        ("plan_classes", section_plan_classes, "plan_classes"),
     )
     for name, fn, note in sections:
         data = load(name)

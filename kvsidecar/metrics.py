@@ -215,6 +215,13 @@ class Metrics:
             ["server", "result"],
             registry=r,
         )
+        self.start_plans = Counter(
+            PREFIX + "start_plans",
+            "What sessions started from (coordinator/plan.py): the plan's kind (restore, carry_over, donor, "
+            "keep, erase), its stable reason and the model's memory class",
+            ["server", "kind", "reason", "memory_class"],
+            registry=r,
+        )
         self.scope_actions = Counter(
             PREFIX + "scope_actions",
             "What kvsidecar did to a slot so that no credential scope runs on another's KV (erase, by why: "

@@ -5,7 +5,7 @@ A leaf of the API: the fleet router (`kvsidecar.fleet.routing`) checks the relea
 this one with the release route's own `ReleaseBody`, and imports it from here, not from the routes.
 
 An acquire may carry the harness' next prompt (`prompt`: a text, token ids, or a chat-completions body),
-checked here and turned into llama-server's tokens by `acquire_prompt_tokens`; nothing stores it yet.
+checked here and turned into llama-server's tokens by `acquire_prompt_tokens`: what the start plan reads.
 """
 
 from __future__ import annotations

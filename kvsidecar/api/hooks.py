@@ -10,9 +10,10 @@ from starlette.responses import Response
 
 from kvsidecar import __version__
 from kvsidecar.api import models as api_models
-from kvsidecar.api.bodies import AcquireBody, ReleaseBody
+from kvsidecar.api.bodies import AcquireBody, ReleaseBody, acquire_prompt_tokens
 from kvsidecar.api.fleet_calls import FleetHook, routed
 from kvsidecar.api.table import SLOT, STRICT, json_route
+from kvsidecar.backend.prompts import PromptTokens
 from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.errors import LeaseNotFound
 from kvsidecar.http.routes import Call, Route
@@ -30,6 +31,12 @@ def hook_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
     ]
 
 
+async def _prompt_tokens(coordinator: Coordinator, body: AcquireBody) -> PromptTokens | None:
+    """The tokens of the acquire's `prompt` (None when it sent none): what its start is planned from."""
+    srv = coordinator.route(body.provider) if body.prompt is not None else None
+    return None if srv is None else await acquire_prompt_tokens(body, srv.backend)
+
+
 def _acquire_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
     async def acquire(call: Call) -> dict[str, Any] | Response:
         """Prepare the session's slot (restore when needed) and lease it; see docs/API.md."""
@@ -45,6 +52,7 @@ def _acquire_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
                 seq=body.seq,
                 caller=call.caller,
                 prefix_from=body.prefix_from,
+                prompt=await _prompt_tokens(coordinator, body),
             )
             return result.to_dict()
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
+from kvsidecar.api.memory_models import MemoryView
 from kvsidecar.config import Mode
 from kvsidecar.coordinator.breaker import BreakerState
 from kvsidecar.coordinator.core import EventType
@@ -53,6 +54,13 @@ class RestoreResponse(BaseModel):
     shared_tokens: int | None = Field(
         description="tokens of another session's snapshot a cold start began from (prefix_from)"
     )
+    plan: str | None = Field(
+        description="what the start plan decided: restore, carry_over, donor, keep, erase (null: no plan)"
+    )
+    plan_reason: str | None = Field(description="the plan's stable reason code (docs/MODELS.md)")
+    memory_class: str | None = Field(description="the model's memory class: plain, swa, hybrid, ...")
+    expected_reuse: int | None = Field(description="tokens the plan expects llama-server to reuse")
+    proved: bool | None = Field(description="the prompt's tokens proved that reuse")
 
 
 class AcquireResponse(RestoreResponse):
@@ -224,43 +232,6 @@ class PersistenceNow(BaseModel):
         "CIRCUIT_OPEN, CIRCUIT_HALF_OPEN, or a setup "
         "warning's code (KV_SAVE_PATH_MISMATCH); null when healthy"
     )
-
-
-class SwaCacheView(BaseModel):
-    layers: int = Field(description="the model's sliding-window layers")
-    streams: int = Field(description="1 with a unified KV cache, else one per slot")
-    cells: int = Field(description="cells a stream of the SWA cache has without --swa-full")
-    cells_full: int = Field(description="and with it (every position of a slot's context)")
-    bytes_per_cell: int
-    mib: float = Field(description="the SWA cache without --swa-full, MiB")
-    mib_swa_full: float = Field(description="the SWA cache with --swa-full, MiB")
-
-
-class SnapshotCostView(BaseModel):
-    bytes_per_token: int = Field(description="what a saved token adds")
-    fixed_bytes: int = Field(description="whatever the length: a recurrent state, an SWA window")
-
-
-class MemoryView(BaseModel):
-    class_: Literal["plain", "swa", "hybrid", "recurrent", "unknown"] = Field(
-        alias="class", description="the model's memory class, read from its files and the server's settings"
-    )
-    arch: str | None
-    n_swa: int = Field(description="the sliding window (0: none)")
-    swa_full: bool
-    restore_keeps: Literal["prefix", "extension", "nothing"] | None = Field(
-        description="what a restored state can give the next prompt (docs/MODELS.md); null when unknown"
-    )
-    settings_read: bool = Field(description="llama-server's command line and environment were both read")
-    why: str | None = Field(description="why the class is unknown")
-    swa_cache: SwaCacheView | None = Field(description="a sliding-window model's SWA cache, when known")
-    snapshot: SnapshotCostView | None = Field(
-        description="what a snapshot costs, predicted from the model and settings (docs/MODELS.md)"
-    )
-    saves: Literal["on", "off"] = Field(description="off: no restore could use a save, none is made")
-    reason: Literal["swa_window_not_saved"] | None
-    fix: str | None
-    cost: str | None = Field(description="what the fix costs in memory")
 
 
 class ServerView(BaseModel):

@@ -13,6 +13,7 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
+from kvsidecar.backend.prompts import PromptTokens
 from kvsidecar.config import ApiConfig
 from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.checkpoint import CheckpointPolicy
@@ -83,11 +84,12 @@ class Acquirer:
         donor: SnapshotIdentity | None = None,
         extends: bool = False,
         named: tuple[str, str] = (UNKNOWN_CLIENT, HOOK_SIGNAL),
+        prompt: PromptTokens | None = None,
     ) -> AcquireResult:
         """A lease on a slot of `srv` prepared for `identity` (None: an auxiliary request of `scope`; a
         session's scope is its identity's). `extends`: its prompt is known to extend the session's last one
         (coordinator/scope.py). `named`: the client and the signal that named the session (the session's
-        view shows them)."""
+        view shows them). `prompt`: the request's tokens, or why unknown (the start plan's, plan.py)."""
         key, session_id = (identity.key, identity.session_id) if identity else (None, None)
         lease = Lease(
             id=secrets.token_urlsafe(16),
@@ -109,7 +111,9 @@ class Acquirer:
             incoming = Incoming(
                 scope=identity.scope if identity is not None else scope, session=key, extends=extends
             )
-            result = await self._prepare(srv, slot, identity, incoming, seq=seq, donor=donor, named=named)
+            result = await self._prepare(
+                srv, slot, identity, incoming, seq=seq, donor=donor, named=named, prompt=prompt
+            )
             if caller is not None and caller.gone():
                 # the caller left while its slot was prepared: the restore ran to its end (the slot holds
                 # what its records say), but no lease is granted; the slot goes to the next waiter now
@@ -133,6 +137,7 @@ class Acquirer:
         seq: int | None,
         donor: SnapshotIdentity | None,
         named: tuple[str, str],
+        prompt: PromptTokens | None = None,
     ) -> AcquireResult:
         if identity is None:
             return await self.switch.to_aux(srv, slot, incoming)
@@ -143,7 +148,8 @@ class Acquirer:
             self.costs.observe_think(srv.name, think_s)
             self.telemetry.think(srv.name, think_s)
         with self.sessions.busy_with(rt.key):
-            result = await self.switch.to_session(srv, slot, rt, incoming, donor)
+            result = await self.switch.to_session(srv, slot, rt, incoming, donor, prompt)
+        self.restorer.planner.ran(srv, rt)  # its KV is on this instance now (its RAM cache may keep it)
         self.sessions.prepared(rt, result.outcome.value, result.reason)
         return result
 

@@ -8,18 +8,9 @@ session dirty on success and checks how much of a restore the engine actually re
 Invariant 1: nothing here ever touches a prompt or a reply; the harness' conversation is built from its own
 log, so what kvsidecar does to a slot can change how fast an answer comes, never what it says.
 
-`Coordinator` composes the parts, each one noun (see each module's docstring):
-  pool.SlotPool          who may use which slot, FIFO hand-over, whose KV it holds (Invariants 2, 3, 8)
-  leases.LeaseTable      leases and their timers;  claims.LeaseEnds  a lease nobody released
-  sessions.SessionTable  sessions, their state machine, revisions and dirtiness
-  guard.PersistGuard     the one guarded persistence call: breaker, trial, bound, verdict
-  runtime.RuntimeGuard   server identity, fingerprint, canary, restarts; the bracket of restores and saves
-  acquire.Acquirer       a lease, from its wait to its release;  switch.Switch  a slot changes hands
-  restore.Restorer       find, verify, restore (coldstart.ColdStart: or start cold); verify reuse
-  save.Saver             save a slot into the next generation
-  checkpoint.CheckpointPolicy  when to save: switch, idle, hints, shutdown
-  operations.SessionOperations  lifecycle hints; save, invalidate, purge
-  telemetry.Telemetry    logs and metrics;  views               status and session views
+`Coordinator` composes the parts, each one noun (the table in docs/ARCHITECTURE.md, and each module's
+docstring): the pool, leases, sessions, guards, the acquirer, the plan of a start, restorer, saver,
+checkpoint policy, operations, router swaps, telemetry and views.
 Everything runs on the event loop.
 """
 
@@ -27,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, Literal, TypeVar
 
 from kvsidecar.backend.base import KvBackend
+from kvsidecar.backend.prompts import PromptTokens
 from kvsidecar.config import RESTART_ONLY, Config
 from kvsidecar.coordinator import views
 from kvsidecar.coordinator.acquire import Acquirer, ReleaseStatus
@@ -328,19 +321,19 @@ class Coordinator:
         signal: str = HOOK_SIGNAL,
         client: str = UNKNOWN_CLIENT,
         runs_on: str | None = None,
+        prompt: PromptTokens | None = None,
     ) -> AcquireResult:
         """`runs_on`: the model the call runs on when the label is not it (the proxy: the body's `model`;
         it picks a router's model, docs/SWAPS.md). `caller`: who waits (once gone, no lease). `scope`: the
-        credential scope, part of the identity (an id under another scope is another session).
-        `prefix_from`: a same-scope session whose snapshot a cold start may begin from (coldstart.py).
-        `extends`: the prompt is known to extend the session's last one (coordinator/scope.py). `signal`,
-        `client`: what named it (its view and log events show them)."""
+        credential scope, part of the identity. `prefix_from`: a same-scope session whose snapshot a cold
+        start may begin from (coldstart.py). `extends`: the prompt is known to extend the session's last one
+        (scope.py). `signal`, `client`: what named it. `prompt`: the request's tokens, or why they are
+        unknown: what its start is planned from (plan.py)."""
         validate_label("provider", provider)
         validate_label("model", model)
-        if session_id is not None:
-            validate_session_id(session_id)
-        if prefix_from is not None:
-            validate_session_id(prefix_from)
+        for named_id in (session_id, prefix_from):
+            if named_id is not None:
+                validate_session_id(named_id)
         srv = self.route(provider, model if runs_on is None else runs_on)
         if srv is None or not self.config.enabled or self._closing:
             return AcquireResult(
@@ -358,14 +351,18 @@ class Coordinator:
         # fleet: take (or keep) the key before touching it; a stale local copy is dropped first. A host
         # that may not write it still serves the session (a restore is a read); its saves are refused.
         await self.ownership.claim(identity.key)
-        donor = None
-        if prefix_from is not None and prefix_from != session_id:
-            donor = SnapshotIdentity(
-                server=srv.name, provider=provider, model=model, session_id=prefix_from, scope=scope
-            )
-        named = (client, signal)
+        other = prefix_from if prefix_from != session_id else None
+        donor = dataclasses.replace(identity, session_id=other) if other is not None else None
         return await self.acquirer.acquire(
-            srv, identity, seq=seq, caller=caller, scope=scope, donor=donor, extends=extends, named=named
+            srv,
+            identity,
+            seq=seq,
+            caller=caller,
+            scope=scope,
+            donor=donor,
+            extends=extends,
+            named=(client, signal),
+            prompt=prompt,
         )
 
     # release: `self.release` is the acquirer's (lease ends, numbers of the run, a turn cut short) ----------

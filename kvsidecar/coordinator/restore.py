@@ -23,17 +23,20 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from kvsidecar.backend.base import RestoreResult
+from kvsidecar.backend.prompts import PromptTokens
 from kvsidecar.config import Config
 from kvsidecar.coordinator.carry import CARRIED, CarryOver
 from kvsidecar.coordinator.coldstart import ColdStart
 from kvsidecar.coordinator.costs import CostModel
 from kvsidecar.coordinator.guard import PersistGuard, Persisting
+from kvsidecar.coordinator.plan import CARRY_OVER, DONOR, RESTORE, Flags, StartFacts, StartPlan
 from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.runtime import RuntimeGuard, RuntimeMark
 from kvsidecar.coordinator.save import Saver
 from kvsidecar.coordinator.scope import ISOLATED
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.sessions import SessionEvent, SessionTable
+from kvsidecar.coordinator.starts import Own, Planner
 from kvsidecar.coordinator.state import AcquireResult, Outcome, SessionRuntime, Slot
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import BackendUnavailable, ConnectionLost, KvError, RestoreFailed
@@ -42,6 +45,8 @@ from kvsidecar.fingerprint.runtime import RuntimeFingerprint
 from kvsidecar.fingerprint.savepath import llama_save_dir
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import Candidate, Rejection, SnapshotStore
+
+Found = tuple[Candidate | None, list[Rejection]]  # the session's newest candidate, and what was passed over
 
 
 class Restorer:
@@ -66,6 +71,7 @@ class Restorer:
         self.persist = persist
         self.telemetry = telemetry
         self.carry = CarryOver(config=config, store=store, telemetry=telemetry)
+        self.planner = Planner(store=store, guard=guard, costs=costs)
         self.cold = ColdStart(
             store=store,
             sessions=sessions,
@@ -122,12 +128,15 @@ class Restorer:
         held_by: str | None = None,
         own: bool = True,
         share: bool = True,
+        prompt: PromptTokens | None = None,
     ) -> None:
         """Restore the session's snapshot into the slot, or start cold (issue 28: from the KV the slot holds,
         or from `donor`'s snapshot, within one credential scope; else erased). `held_by`: the key whose KV
         the slot held until this switch. `own` / `share`: whether its request may run on its own snapshot /
         on KV of another session of its scope (coordinator/scope.py); when not, that KV is never loaded (a
-        session whose own snapshot may not be used starts cold, `ISOLATED`)."""
+        session whose own snapshot may not be used starts cold, `ISOLATED`). `prompt`: the request's tokens,
+        or why they are unknown (None: not given); what is restored, kept or donated is the start plan's
+        (plan.py), made from them and the other facts here (starts.py)."""
         await Saver.wait_commit(rt)  # its own last save may still be committing (evicted just before)
         proven = await self.guard.same_runtime(srv, slot)
         async with self.persist.persisting(srv, "load", slot=slot, ready=proven) as op:
@@ -138,9 +147,15 @@ class Restorer:
             elif not own:  # its snapshot (if any) is not loaded: cold, and why
                 result.reason = ISOLATED if self.store.get(rt.key) is not None else None
             elif self.config.restore.enabled and fingerprint is not None:
-                restored, attempted = await self._from_snapshot(op, srv, slot, rt, result, fingerprint)
+                plan, found = await self._plan(srv, slot, rt, result, fingerprint, prompt, donor, share)
+                restored, attempted = await self._from_snapshot(
+                    op, srv, slot, rt, result, fingerprint, plan, found
+                )
                 if restored:
                     return
+                if donor is not None and plan.kind != DONOR:  # the plan found it useless or not worth it
+                    self.telemetry.prefix_donated(srv.name, rt, donor.short, None, plan.reason)
+                    donor = None
             share = self.config.restore.share_prefix and share
             await self.cold.start(
                 op,
@@ -162,6 +177,26 @@ class Restorer:
         if self.config.failure.strict:
             raise BackendUnavailable(f"persistence for server {srv.name} is unavailable ({result.reason})")
 
+    async def _plan(
+        self,
+        srv: ServerRuntime,
+        slot: Slot,
+        rt: SessionRuntime,
+        result: AcquireResult,
+        fingerprint: RuntimeFingerprint,
+        prompt: PromptTokens | None,
+        donor: SnapshotIdentity | None,
+        share: bool,
+    ) -> tuple[StartPlan, Found]:
+        """The start plan (plan.py) from the facts read now (starts.py); the answer carries it."""
+        candidate, rejections = await self._find(srv, rt, fingerprint)
+        flags = Flags(share_prefix=self.config.restore.share_prefix, share=share)
+        own = Own(candidate=candidate, rejections=tuple(rejections))
+        plan, facts = await self.planner.plan(srv, slot, rt, own, prompt=prompt, donor=donor, flags=flags)
+        tell(result, plan, facts)
+        self.telemetry.planned(srv.name, rt, plan, facts.model.kind)
+        return plan, (candidate, rejections)
+
     async def _from_snapshot(
         self,
         op: Persisting,
@@ -170,10 +205,20 @@ class Restorer:
         rt: SessionRuntime,
         result: AcquireResult,
         fingerprint: RuntimeFingerprint,
+        plan: StartPlan,
+        found: Found,
     ) -> tuple[bool, bool]:
-        """The newest generation that fits the runtime, restored: (restored, attempted and not counted)."""
+        """The plan's generation restored (carried over first when the plan says so): (restored,
+        attempted and not counted). A plan that restores nothing: the reason is its."""
         attempted = False
-        candidate, rejections = await self._find(srv, rt, fingerprint)
+        candidate, rejections = found
+        if plan.kind not in (RESTORE, CARRY_OVER):
+            if rejections and candidate is None and result.outcome is Outcome.COLD:
+                result.outcome, result.reason = Outcome.COLD_FALLBACK, rejections[0].reason
+                self.sessions.apply(rt, SessionEvent.REJECTED)
+            elif candidate is not None:  # a snapshot the plan did not restore: why (X-KV-Reason)
+                result.reason = plan.reason
+            return False, False
         if candidate is None and rejections:
             # Saved under another llama.cpp build: carried over when the new build is proven to compute
             # the same KV (a new generation of ours), then found and restored like any other.
@@ -247,6 +292,7 @@ class Restorer:
                 self.sessions.apply(rt, SessionEvent.RESTORE_FAILED)
             raise
         result.outcome, result.restored_tokens = Outcome.RESTORED, restored.tokens
+        self.planner.expect(rt, result.expected_reuse)
         result.restore_ms, result.restore_server_ms = round(restored.measured_ms, 3), restored.server_ms
         result.actions.append(f"restore {rt.identity.short}")
         if candidate.fallback:
@@ -345,11 +391,21 @@ class Restorer:
     ) -> str:
         """Invariant 10: an HTTP-successful restore is not a usable one until the engine reused it (§24)."""
         restored = self.sessions.take_verify(rt)
+        planned = self.planner.expected(rt)  # what the start plan proved the engine would reuse
         if cached_tokens is None:
             result = "unknown"
         else:
             expected = restored if prompt_tokens is None else min(restored, prompt_tokens + cached_tokens)
+            if planned is not None:
+                expected = min(expected, planned)
             ok = expected == 0 or cached_tokens >= self.config.restore.min_reuse_ratio * expected
             result = "effective" if ok else "ineffective"
         self.telemetry.restore_verified(srv.name, rt, result, restored, cached_tokens, prompt_tokens)
         return result
+
+
+def tell(result: AcquireResult, plan: StartPlan, facts: StartFacts) -> None:
+    """The answer carries the plan: its kind and reason, the class, the reuse it expects and whether the
+    prompt's tokens proved it (headers, logs and status show them)."""
+    result.plan, result.plan_reason, result.memory_class = plan.kind, plan.reason, facts.model.kind
+    result.expected_reuse, result.proved = plan.expected_reuse, plan.proved

@@ -254,12 +254,16 @@ class ScopeGate:
         result.actions.append("erase")
         self.telemetry.isolation(srv.name, slot.id, "erase", why.value)
 
-    async def before_replace(self, srv: ServerRuntime, slot: Slot, held_by: str | None) -> None:
+    async def before_replace(
+        self, srv: ServerRuntime, slot: Slot, held_by: str | None, *, owned_too: bool = False
+    ) -> None:
         """kvsidecar is about to replace what the slot holds (a restore, an erase): KV no session owns (a
         title's, an auxiliary request's) is handed to llama-server's RAM cache first, as llama-server itself
         does before it reuses a slot, so that a request of the same scope still finds it there (H.6). Only
-        within one scope: with several, no request of a proxy client is given anything from that cache."""
-        if held_by is not None or slot.tokens == 0 or slot.scope is None:
+        within one scope: with several, no request of a proxy client is given anything from that cache.
+        `owned_too`: a session's KV as well (a model whose snapshot a next prompt may not be able to use:
+        hybrid, recurrent, SWA; the RAM cache keeps its checkpoints, coordinator/plan.py)."""
+        if (held_by is not None and not owned_too) or slot.tokens == 0 or slot.scope is None:
             return
         seen = self.ledger.seen(srv)
         if seen is None or not seen <= {slot.scope} or not ram_lookups(srv.process, remote=False):

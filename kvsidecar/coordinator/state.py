@@ -221,6 +221,13 @@ class AcquireResult:
     # Issue 28: tokens of another session's snapshot restored as this cold session's starting prefix (the
     # `prefix_from` hint; the engine reuses only their exact common prefix with the prompt)
     shared_tokens: int | None = None
+    # The start plan (coordinator/plan.py): its kind and stable reason, the model's memory class, the tokens
+    # it expects the engine to reuse, and whether the prompt's tokens proved that (None: no plan was made)
+    plan: str | None = None
+    plan_reason: str | None = None
+    memory_class: str | None = None
+    expected_reuse: int | None = None
+    proved: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (v.value if isinstance(v, Outcome) else v) for k, v in self.__dict__.items()}

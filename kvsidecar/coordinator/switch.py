@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from functools import partial
 
+from kvsidecar.backend.prompts import PromptTokens
 from kvsidecar.coordinator.checkpoint import CheckpointPolicy
+from kvsidecar.coordinator.plan import PLAIN_CLASS
 from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.restore import Restorer
 from kvsidecar.coordinator.runtime import RuntimeGuard
@@ -58,6 +60,7 @@ class Switch:
         rt: SessionRuntime,
         incoming: Incoming,
         donor: SnapshotIdentity | None = None,
+        prompt: PromptTokens | None = None,
     ) -> AcquireResult:
         # Invariant 6: a resident session costs no disk I/O and no management call. A local server's
         # process is checked (a /proc read, no HTTP): after a restart the slot is empty, not resident.
@@ -71,7 +74,7 @@ class Switch:
             return await self._isolate(srv, slot, rt, found)
         result = AcquireResult(outcome=Outcome.COLD)
         own, share = self.gate.may_use_own(srv, incoming), self.gate.may_share(srv, incoming)
-        await self._change_hands(srv, slot, result, rt, donor, own=own, share=share)
+        await self._change_hands(srv, slot, result, rt, donor, own=own, share=share, prompt=prompt)
         restored = result.outcome is Outcome.RESTORED
         prime = self.restorer.config.restore.share_prefix
         await self.gate.admit(srv, slot, incoming, result, own=restored, prime=prime)
@@ -110,6 +113,7 @@ class Switch:
         *,
         own: bool = True,
         share: bool = True,
+        prompt: PromptTokens | None = None,
     ) -> None:
         """Evict the slot's owner, then load the incoming session (None: an auxiliary request)."""
         evicted = self.sessions.get(slot.owner)
@@ -119,9 +123,12 @@ class Switch:
         if rt is not None:
             self.telemetry.switch(srv.name, slot.id, rt, result.evicted)
             held_by = evicted.key if evicted is not None else None
-            await self.gate.before_replace(srv, slot, held_by)
+            # a model whose snapshots a next prompt may not use (not plain): the RAM cache keeps the evicted
+            # session's KV with its checkpoints, as llama-server alone would (coordinator/plan.py)
+            owned_too = (await self.restorer.planner.memory(srv)).kind != PLAIN_CLASS
+            await self.gate.before_replace(srv, slot, held_by, owned_too=owned_too)
             await self.restorer.load(
-                srv, slot, rt, result, donor=donor, held_by=held_by, own=own, share=share
+                srv, slot, rt, result, donor=donor, held_by=held_by, own=own, share=share, prompt=prompt
             )
         if evicted is not None:  # the evicted session's save commits meanwhile (save.py `overlap`)
             await Saver.wait_commit(evicted)

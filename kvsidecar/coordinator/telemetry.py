@@ -260,6 +260,27 @@ class Telemetry(ServerEvents):
         """A cold session's turn reused `tokens` of KV another session left or donated (issue 28)."""
         self.metrics.shared_prefix_tokens.labels(server).inc(tokens)
 
+    def planned(self, server: str, rt: SessionRuntime, plan: Any, memory_class: str) -> None:
+        """A start plan (plan.py `StartPlan`): counted by kind, reason and class, and logged."""
+        self.metrics.start_plans.labels(server, plan.kind, plan.reason, memory_class).inc()
+        event(
+            log,
+            logging.INFO,
+            "kv.session.plan",
+            server=server,
+            session=rt.identity.short,
+            **rt.named,
+            kind=plan.kind,
+            reason=plan.reason,
+            memory_class=memory_class,
+            rule=plan.rule,
+            expected_reuse=plan.expected_reuse,
+            proved=plan.proved,
+            divergence=plan.divergence,
+            point=plan.point,
+            donor=None if plan.donor is None else short_id(plan.donor),
+        )
+
     def prefix_donated(
         self, server: str, rt: SessionRuntime, donor: str, tokens: int | None, why: str
     ) -> None:

@@ -26,6 +26,7 @@ from typing import Any, Final
 
 from starlette.responses import Response
 
+from kvsidecar.coordinator import plan
 from kvsidecar.coordinator.core import INVALIDATED
 from kvsidecar.coordinator.state import UNKNOWN_CLIENT, AcquireResult, Outcome
 from kvsidecar.errors import (
@@ -128,6 +129,7 @@ REASONS: frozenset[str] = frozenset(
         *(v for k, v in vars(table).items() if k.isupper() and isinstance(v, str)),
         *(v for k, v in vars(manifest).items() if k.isupper() and isinstance(v, str) and v.isupper()),
         *HTTP_STATUS,
+        *(r.upper() for r in plan.REASONS),  # the start plan's codes (coordinator/plan.py), upper case
     }
 )
 WARM = frozenset({Outcome.RESIDENT, Outcome.RESTORED})
@@ -190,6 +192,8 @@ def reason_token(result: AcquireResult, *, restore_enabled: bool = True) -> str 
         if result.outcome is Outcome.COLD:
             return NO_SNAPSHOT if restore_enabled else RESTORE_DISABLED
         return OTHER
+    if reason in plan.REASONS:
+        return reason.upper()
     if reason in REASONS:
         return reason
     return _WORDS.get(reason.partition(" (")[0], OTHER)
@@ -207,4 +211,12 @@ def kv_headers(result: AcquireResult, *, restore_enabled: bool = True) -> list[t
         out.append((b"x-kv-restore-ms", f"{result.restore_ms:.1f}".encode()))
     if result.shared_tokens is not None:  # a cold start began from another session's snapshot
         out.append((b"x-kv-shared-tokens", str(result.shared_tokens).encode()))
+    if result.plan is not None:  # what the start plan decided, and why (coordinator/plan.py)
+        out.append((b"x-kv-plan", result.plan.encode()))
+        why = result.plan_reason if result.plan_reason in plan.REASONS else None
+        out.append((b"x-kv-plan-reason", (why or OTHER.lower()).encode()))
+        out.append((b"x-kv-memory-class", (result.memory_class or "unknown").encode()))
+        if result.expected_reuse is not None:
+            out.append((b"x-kv-expected-reuse", str(result.expected_reuse).encode()))
+        out.append((b"x-kv-proved", b"true" if result.proved else b"false"))
     return out

@@ -60,6 +60,7 @@ from kvsidecar.backend.llama_http import (
     llama_path,
     read_api_key,
 )
+from kvsidecar.backend.prompts import PromptTokens
 from kvsidecar.config import Config
 from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.core import Coordinator
@@ -83,6 +84,7 @@ from kvsidecar.proxy.forward import Convert, Forwarder, Outbound, Release, lifes
 from kvsidecar.proxy.gate import admit, check_token_ids, token_ids
 from kvsidecar.proxy.outbound import Outbounds, pinned_body
 from kvsidecar.proxy.peers import HOP, PeerProxies, as_host
+from kvsidecar.proxy.prompt_tokens import request_tokens_of
 from kvsidecar.proxy.sessions import ProxySessions, SlotCall
 from kvsidecar.proxy.upstream import Upstream
 
@@ -338,6 +340,8 @@ class Proxy:
         watch = asyncio.ensure_future(watch_disconnect(receive, caller))
         try:
             self._check_unpinned(call)
+            donor = self.sessions.donor(call)
+            prompt = await self._prompt_tokens(call, provider, donor=donor is not None)
             return await self.coordinator.acquire(
                 call.session,
                 provider=provider,
@@ -345,13 +349,14 @@ class Proxy:
                 purpose=None if call.session is not None else AUX_PURPOSE,
                 caller=caller,
                 scope=self.scope(call),
-                prefix_from=self.sessions.donor(call),
+                prefix_from=donor,
                 extends=self.sessions.conversations.known_extension(
                     call.credential, call.session, call.norm, new=call.new, diverged=call.diverged
                 ),
                 signal=call.signal or SIGNAL_NONE,  # what named it, and which client (the session's view)
                 client=answers.client_of(call.signal, scope["headers"], call.data),
                 runs_on=self.sessions.runs_on(call),
+                prompt=prompt,
             )
         except KvError as exc:
             await self._refuse(exc, scope, receive, send)
@@ -359,6 +364,16 @@ class Proxy:
         finally:
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
+
+    async def _prompt_tokens(self, call: SlotCall, provider: str, *, donor: bool) -> PromptTokens | None:
+        """The tokens a session's request puts in its slot, when they can change what it starts from (every
+        memory class but plain attention, and a donor proposed on any: coordinator/plan.py). Unknown tokens
+        are a fact for the plan, never an error: the request is forwarded as sent either way."""
+        if call.session is None:
+            return None
+        srv = self.coordinator.route(provider, self.sessions.runs_on(call))
+        tok = None if srv is None else self.coordinator.restorer.planner.tokenizer_for(srv, always=donor)
+        return None if tok is None else await request_tokens_of(tok, call)
 
     async def _run(
         self,

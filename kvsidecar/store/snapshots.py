@@ -51,6 +51,8 @@ from kvsidecar.store.naming import (
 from kvsidecar.store.readahead import read_ahead, step_bytes
 from kvsidecar.store.reconcile import LooseFile, Reconciler, ReconcileReport
 from kvsidecar.store.saving import SavePlan, SavePlanner
+from kvsidecar.store.state_header import tokens_of
+from kvsidecar.store.state_sections import StateFormatError
 from kvsidecar.store.table import (
     CORRUPT,
     FILE_MISSING,
@@ -256,6 +258,18 @@ class SnapshotStore:
     ) -> tuple[Candidate | None, list[Rejection]]:
         deep = self.verify_checksum if deep is None else deep
         return self.candidates.find(identity, fingerprint, max_tokens=max_tokens, deep=deep)
+
+    def point_tokens(self, candidate: Candidate) -> tuple[int, ...] | None:
+        """The tokens `candidate`'s file holds, from its header (state_header.py); None when they cannot be
+        read (the planner then knows nothing of them). Opened as a plain regular file of ours only."""
+        d = self.layout.snap.get(candidate.identity.server)
+        if d is None:
+            return None
+        try:
+            with d.open_file(candidate.record.filename) as (fd, st):
+                return tokens_of(fd, st.st_size)
+        except (KvError, OSError, StateFormatError):
+            return None
 
     def confirm_unchanged(self, candidate: Candidate) -> bool:
         return self.candidates.confirm_unchanged(candidate)

@@ -20,9 +20,10 @@ import pytest
 
 from kvsidecar.api.routes import create_app
 from kvsidecar.backend.fake import FakeKvBackend
+from kvsidecar.backend.fake_prompts import fake_render, fake_tokens
 from kvsidecar.backend.llama_http import find_timings
 from kvsidecar.coordinator.state import Outcome
-from kvsidecar.errors import InvalidSessionId
+from kvsidecar.errors import BadRequest, InvalidSessionId
 from kvsidecar.proxy.answers import REASONS, SIGNAL_VALUES
 from kvsidecar.proxy.client_content import normalize
 from kvsidecar.proxy.conversations import ConversationTable, credential_of
@@ -35,8 +36,13 @@ _DROP = {"authorization", "x-api-key", "host", "content-length", "accept-encodin
 
 
 def render(data: dict[str, Any]) -> list[int]:
-    """A prompt as tokens: the tools, then each message / item as canonical JSON (an extension of the
-    messages is an extension of the tokens, as with a real chat template)."""
+    """A prompt as tokens: a chat body as the fake engine's own template and tokenizer make it (what the
+    proxy's start plan computes before it runs: backend/fake_prompts.py); anything else the tools, then
+    each message / item as canonical JSON (an extension of the messages is an extension of the tokens, as
+    with a real chat template)."""
+    if isinstance(data.get("messages"), list) and "system" not in data:
+        with contextlib.suppress(BadRequest):
+            return fake_tokens(fake_render(data), add_special=True, parse_special=True)
     parts = [data.get("tools") or [], data.get("system") or data.get("instructions") or ""]
     items = data.get("messages") or data.get("input") or []
     text = "".join(json.dumps(p, sort_keys=True) for p in [*parts, *items])

@@ -1,0 +1,203 @@
+"""The facts a session's start is planned from, read at one moment (`StartFacts` for plan.py), and what the
+planner remembers between acquires: each server's memory class, the llama-server instance (restart epoch)
+each session last ran on, and the reuse each restore was planned to give (checked at release).
+
+`Planner.plan()` reads: the model's memory class (fingerprint/memory_class.py, from the model files of the
+process and its settings; cached per fingerprint), the prompt's tokens (the proxy's, or the hook API's
+`prompt`), the slot (its scope, tokens, whether it is empty), the session's restorable point (the newest
+generation that passes the candidate checks, its tokens from the file's header), a donor's point and tokens,
+the RAM cache's setting, the cost figures and the flags; then asks `plan_start` and returns its answer. It
+writes nothing but its own three maps; the executors (restore.py, coldstart.py, carry.py) act on the plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from kvsidecar.backend.base import PromptTokenizer
+from kvsidecar.backend.prompts import KnownTokens, PromptTokens
+from kvsidecar.coordinator.costs import CostFigures, CostModel
+from kvsidecar.coordinator.plan import (
+    PLAIN_CLASS,
+    DonorFacts,
+    Flags,
+    ModelFacts,
+    Point,
+    PromptFacts,
+    SlotFacts,
+    StartFacts,
+    StartPlan,
+    plan_start,
+)
+from kvsidecar.coordinator.runtime import RuntimeGuard
+from kvsidecar.coordinator.scope import ram_lookups
+from kvsidecar.coordinator.server import ServerRuntime
+from kvsidecar.coordinator.state import SessionRuntime, Slot
+from kvsidecar.errors import KvError
+from kvsidecar.fingerprint.memory_class import PLAIN, UNKNOWN, MemoryClass, model_class
+from kvsidecar.fingerprint.model_files import model_paths
+from kvsidecar.fingerprint.process_files import ProcessFiles
+from kvsidecar.store.naming import SnapshotIdentity
+from kvsidecar.store.snapshots import Candidate, Rejection, SnapshotStore
+
+V = TypeVar("V")
+FAKE_KIND = "fake"  # backend/fake.py: a plain-attention engine (it reuses any common prefix)
+_REMEMBERED = 1 << 16  # sessions whose instance and expected reuse are kept (oldest forgotten first)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Own:
+    """The session's own snapshot as found for this runtime."""
+
+    candidate: Candidate | None
+    rejections: tuple[Rejection, ...] = ()
+
+
+def memory_of(srv: ServerRuntime) -> MemoryClass:
+    """The memory class of the model `srv` runs, read from its files as the process sees them (unknown for a
+    server whose process or model path is not seen: a remote one)."""
+    process, caps = srv.process, srv.caps
+    if caps is not None and caps.kind == FAKE_KIND:  # the fake engine reuses any common prefix: plain
+        return MemoryClass(kind=PLAIN, arch="fake", n_layer=0, attention_layers=0, why="the fake engine")
+    if process is None or caps is None or not caps.model_path:
+        return MemoryClass(kind=UNKNOWN, arch="", n_layer=0, attention_layers=0, why="process not seen")
+    files = ProcessFiles(None, process)
+    local = [files.local(p) for p in model_paths(caps.model_path)]
+    if not local or None in local:
+        return MemoryClass(kind=UNKNOWN, arch="", n_layer=0, attention_layers=0, why="model path unresolved")
+    return model_class([Path(p) for p in local if p is not None], process.settings)
+
+
+def ram_cache_of(srv: ServerRuntime) -> str:
+    """llama-server's RAM cache as its settings say: on / off / unknown (the process is not seen)."""
+    if srv.process is None:
+        return "unknown"
+    return "on" if ram_lookups(srv.process) else "off"
+
+
+class Planner:
+    def __init__(
+        self, *, store: SnapshotStore, guard: RuntimeGuard, costs: CostModel, share_prefix: bool = True
+    ) -> None:
+        self.store = store
+        self.guard = guard
+        self.costs = costs
+        self._memory: dict[str, tuple[str, MemoryClass]] = {}  # server -> (fingerprint digest, class)
+        self._ran: OrderedDict[str, tuple[str, int]] = OrderedDict()  # key -> (server, epoch)
+        self._expected: OrderedDict[str, int] = OrderedDict()  # key -> tokens its restore should give
+
+    async def memory(self, srv: ServerRuntime) -> MemoryClass:
+        digest = srv.fingerprint.digest if srv.fingerprint is not None else ""
+        known = self._memory.get(srv.name)
+        if known is not None and known[0] == digest and digest:
+            return known[1]
+        found = await asyncio.to_thread(memory_of, srv)
+        self._memory[srv.name] = (digest, found)
+        return found
+
+    def memory_kind(self, srv: ServerRuntime) -> str:
+        """The class last read for `srv` (unknown before its first plan)."""
+        known = self._memory.get(srv.name)
+        return known[1].kind if known is not None else UNKNOWN
+
+    def tokenizer_for(self, srv: ServerRuntime, *, always: bool = False) -> PromptTokenizer | None:
+        """llama-server's tokenizer, when a request's tokens can change what its session starts from: every
+        class but plain (whose newest point needs no proof), and `always` (a donor is proposed: chosen by the
+        tokens it shares)."""
+        return None if not always and self.memory_kind(srv) == PLAIN_CLASS else srv.backend
+
+    def ran(self, srv: ServerRuntime, rt: SessionRuntime) -> None:
+        """`rt` runs on the current instance of `srv` (so its RAM cache may hold it)."""
+        _remember(self._ran, rt.key, (srv.name, self.guard.epoch(srv)))
+
+    def expect(self, rt: SessionRuntime, tokens: int | None) -> None:
+        if tokens is None:
+            self._expected.pop(rt.key, None)
+        else:
+            _remember(self._expected, rt.key, tokens)
+
+    def expected(self, rt: SessionRuntime) -> int | None:
+        return self._expected.pop(rt.key, None)
+
+    async def plan(
+        self,
+        srv: ServerRuntime,
+        slot: Slot,
+        rt: SessionRuntime,
+        own: Own | None,
+        *,
+        prompt: PromptTokens | None,
+        donor: SnapshotIdentity | None,
+        flags: Flags,
+    ) -> tuple[StartPlan, StartFacts]:
+        memory = await self.memory(srv)
+        points: tuple[Point, ...] = ()
+        if own is not None and own.candidate is not None:
+            points = (await self._point(own.candidate),)
+        elif own is not None and own.rejections:
+            rej = own.rejections[0]  # saved under another build: a carry-over may bring it back
+            points = (Point(generation=str(rej.generation), n_tokens=0, carry=True),)
+        facts = StartFacts(
+            scope=rt.scope,
+            model=ModelFacts(kind=memory.kind, n_swa=memory.n_swa, swa_full=memory.swa_full),
+            prompt=_prompt(prompt),
+            slot=SlotFacts(scope=slot.scope, empty=slot.tokens == 0, n_tokens=slot.tokens, tokens=None),
+            points=points,
+            donor=await self._donor(srv, donor) if donor is not None else None,
+            costs=_figures(self.costs, srv.name),
+            flags=Flags(
+                **{
+                    **flags.__dict__,
+                    "ram_cache": ram_cache_of(srv),
+                    "ran_on_instance": self._ran.get(rt.key) == (srv.name, self.guard.epoch(srv)),
+                }
+            ),
+        )
+        return plan_start(facts), facts
+
+    async def _point(self, candidate: Candidate) -> Point:
+        tokens = await asyncio.to_thread(self.store.point_tokens, candidate)
+        return Point(generation=str(candidate.generation), n_tokens=candidate.record.tokens, tokens=tokens)
+
+    async def _donor(self, srv: ServerRuntime, donor: SnapshotIdentity) -> DonorFacts | None:
+        fingerprint = srv.fingerprint
+        manifest = self.store.get(donor.key)
+        if fingerprint is None or manifest is None or manifest.scope is None:
+            return None
+        candidate = None
+        with contextlib.suppress(KvError):
+            candidate, _ = await asyncio.to_thread(
+                self.store.find_restorable, donor, fingerprint, max_tokens=srv.slot_n_ctx
+            )
+        if candidate is None:
+            return None
+        return DonorFacts(key=donor.key, scope=manifest.scope, point=await self._point(candidate))
+
+
+def _remember(table: OrderedDict[str, V], key: str, value: V) -> None:
+    table.pop(key, None)
+    table[key] = value
+    while len(table) > _REMEMBERED:
+        table.popitem(last=False)
+
+
+def _prompt(prompt: PromptTokens | None) -> PromptFacts:
+    if prompt is None:
+        return PromptFacts(unknown="not_given")
+    if isinstance(prompt, KnownTokens):
+        return PromptFacts(tokens=prompt.tokens)
+    return PromptFacts(unknown=prompt.reason)
+
+
+def _figures(costs: CostModel, server: str) -> CostFigures:
+    live = costs.server(server)
+    return CostFigures(
+        kv_bytes_per_token=live.kv_bytes_per_token.value,
+        restore_bytes_per_s=live.restore_bytes_per_s.value,
+        prefill_tokens_per_s=live.prefill_tokens_per_s.value,
+    )

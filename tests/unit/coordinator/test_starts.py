@@ -1,0 +1,172 @@
+"""The facts a start is planned from, and the acquire path acting on the plan (kvsidecar/coordinator/starts.py,
+restore.py), on the fake engine: its state files hold real token headers, so the point's tokens are read as
+on llama-server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvsidecar.backend.prompts import KnownTokens, UnknownTokens
+from kvsidecar.coordinator import plan, starts
+from kvsidecar.coordinator.state import HOOK_SCOPE, AcquireResult, Outcome
+from kvsidecar.fingerprint.memory_class import HYBRID, MemoryClass
+from kvsidecar.store.naming import SnapshotIdentity
+from tests.unit.coordinator.test_scope import process
+from tests.unit.coordinator_helpers import Harness, conversation, start_harness
+
+
+async def _run(h: Harness, session: str, tokens: list[int], prompt: list[int] | None = None) -> AcquireResult:
+    r = await h.coordinator.acquire(
+        session,
+        provider="local",
+        model="m",
+        prompt=None if prompt is None else KnownTokens(tokens=tuple(prompt), cost_ms=0.0),
+    )
+    assert r.lease_id is not None and r.slot_id is not None
+    prompt_n, cache_n = h.fake.infer(r.slot_id, tokens)
+    await h.coordinator.release(r.lease_id, status="ok", prompt_tokens=prompt_n, cached_tokens=cache_n)
+    return r
+
+
+def _hybrid(monkeypatch: pytest.MonkeyPatch) -> None:
+    cls = MemoryClass(kind=HYBRID, arch="qwen35", n_layer=4, attention_layers=1, recurrent_layers=3)
+    monkeypatch.setattr(starts, "memory_of", lambda _srv: cls)
+
+
+async def test_the_fake_engine_is_plain_and_its_ram_cache_unknown(tmp_path: Path) -> None:
+    h = await start_harness(tmp_path)
+    try:
+        srv = h.coordinator.servers["local"]
+        assert starts.memory_of(srv).kind == "plain"
+        assert starts.ram_cache_of(srv) == "unknown"
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_hybrid_divergent_prompt_is_not_restored_and_an_extension_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hybrid model: a prompt that diverges from A's saved point is not restored (llama-server would
+    throw the restore away); one that extends it strictly is, proven, with the reuse it expects."""
+    _hybrid(monkeypatch)
+    h = await start_harness(tmp_path)
+    try:
+        a = conversation("A", 2)
+        await _run(h, "A", a)
+        await _run(h, "B", conversation("B", 2))  # A saved, evicted
+        h.calls()
+        diverged = a[:-10] + [7] * 30
+        r = await _run(h, "A", diverged, diverged)
+        assert r.outcome is not Outcome.RESTORED
+        assert r.plan_reason == plan.R_HYBRID_DIVERGENCE
+        assert "restore" not in h.calls()
+        await _run(h, "B", conversation("B", 3))  # A saved again (its diverged turn)
+        h.calls()
+        extends = diverged + [9] * 20
+        r = await _run(h, "A", extends, extends)
+        assert r.outcome is Outcome.RESTORED and r.proved
+        assert r.expected_reuse == len(diverged)
+        assert "restore" in h.calls()
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_hybrid_unknown_prompt_restores_when_the_ram_cache_cannot_hold_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unknown tokens on a hybrid model: the fake engine's RAM cache is unknown (cannot be shown to hold the
+    session), so the newest point is restored, unproven, as before."""
+    _hybrid(monkeypatch)
+    h = await start_harness(tmp_path)
+    try:
+        await _run(h, "A", conversation("A", 1))
+        await _run(h, "B", conversation("B", 1))
+        r = await h.coordinator.acquire(
+            "A", provider="local", model="m", prompt=UnknownTokens(reason="multimodal", detail="")
+        )
+        assert r.outcome is Outcome.RESTORED and r.proved is False
+        assert r.plan_reason == plan.R_UNPROVEN_NO_RAM
+        assert r.lease_id is not None
+        await h.coordinator.release(r.lease_id, status="aborted")
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_a_donor_that_shares_few_tokens_is_not_restored(tmp_path: Path) -> None:
+    """A donor is chosen by the tokens it shares with the prompt: a long one that shares 32 is not restored
+    (its read is worth less than the prefill it spares), one that the prompt extends is."""
+    h = await start_harness(tmp_path, total_slots=2)
+    try:
+        donor = conversation("D", 40)  # 2,000 tokens
+        await _run(h, "D", donor)
+        assert (await h.coordinator.save("D"))["saved"] == 1
+        few = donor[:32] + [5] * 500
+        r = await h.coordinator.acquire(
+            "N",
+            provider="local",
+            model="m",
+            prefix_from="D",
+            prompt=KnownTokens(tokens=tuple(few), cost_ms=0),
+        )
+        assert not any(a.startswith("prefix_from") for a in r.actions)
+        assert r.plan_reason == plan.R_DONOR_NOT_WORTH
+        assert r.lease_id is not None
+        await h.coordinator.release(r.lease_id, status="aborted")
+        more = donor + [5] * 10
+        r = await h.coordinator.acquire(
+            "M",
+            provider="local",
+            model="m",
+            prefix_from="D",
+            prompt=KnownTokens(tokens=tuple(more), cost_ms=0),
+        )
+        assert any(a.startswith("prefix_from") for a in r.actions), r
+        assert r.plan == plan.DONOR and r.expected_reuse == len(donor)
+        assert r.lease_id is not None
+        await h.coordinator.release(r.lease_id, status="aborted")
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_planner_remembers_the_instance_a_session_ran_on(tmp_path: Path) -> None:
+    h = await start_harness(tmp_path)
+    try:
+        await _run(h, "A", conversation("A", 1))
+        srv = h.coordinator.servers["local"]
+        planner = h.coordinator.restorer.planner
+        identity = SnapshotIdentity(
+            server="local", provider="local", model="m", session_id="A", scope=HOOK_SCOPE
+        )
+        rt = h.coordinator.sessions.get(identity.key)
+        assert rt is not None
+        assert planner._ran.get(rt.key) == ("local", planner.guard.epoch(srv))
+        h.fake.restart()  # a new llama-server process: its identity counts the restart at the next look
+        await h.coordinator.guard.refresh(srv)
+        assert planner._ran.get(rt.key) != ("local", planner.guard.epoch(srv))
+    finally:
+        await h.coordinator.aclose()
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+async def test_a_switch_hands_a_non_plain_sessions_kv_to_the_ram_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hybrid: bool
+) -> None:
+    """llama-server alone copies a slot's KV (with its checkpoints) into its RAM cache before another
+    prompt replaces it. On a hybrid model kvsidecar does the same for the session it evicts (its next
+    prompt may not be able to use its snapshot); on plain attention the snapshot serves, nothing is parked."""
+    if hybrid:
+        _hybrid(monkeypatch)
+    h = await start_harness(tmp_path)
+    try:
+        h.process[0] = process()  # seen: its settings say the RAM cache is on
+        await h.coordinator.guard.refresh(h.coordinator.servers["local"], force=True)
+        await _run(h, "A", conversation("A", 1))
+        h.calls()
+        await _run(h, "B", conversation("B", 1))
+        calls = h.calls()
+        assert calls[0] == "save"
+        assert ("prompt" in calls) is hybrid, calls
+    finally:
+        await h.coordinator.aclose()
