@@ -33,7 +33,7 @@ def hook_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
 
 async def _prompt_tokens(coordinator: Coordinator, body: AcquireBody) -> PromptTokens | None:
     """The tokens of the acquire's `prompt` (None when it sent none): what its start is planned from."""
-    srv = coordinator.route(body.provider) if body.prompt is not None else None
+    srv = coordinator.route(body.provider, body.model) if body.prompt is not None else None
     return None if srv is None else await acquire_prompt_tokens(body, srv.backend)
 
 

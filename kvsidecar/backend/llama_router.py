@@ -54,6 +54,7 @@ class RouterModel:
     slot_save_path: str | None = None  # where its slots are saved (`--slot-save-path`, the router's own)
     failed: bool = False
     exit_code: int | None = None
+    aliases: frozenset[str] = frozenset()  # other names the router runs it under (its preset's --alias)
 
     @property
     def running(self) -> bool:
@@ -147,6 +148,7 @@ def parse_models(data: Any) -> dict[str, RouterModel]:
             slot_save_path=_last_str(status.get("args"), "--slot-save-path"),
             failed=status.get("failed") is True,
             exit_code=code if isinstance(code, int) and not isinstance(code, bool) else None,
+            aliases=_aliases(entry.get("aliases")),
         )
     return out
 
@@ -226,6 +228,10 @@ class RouterModelBackend(LlamaCppBackend):
         return await super()._request(
             method, path, json_body=json_body, content=content, params=params, **kwargs
         )
+
+    def known_as(self, name: str) -> bool:
+        """Whether the router, as last seen, runs this entry's model under `name` (an alias)."""
+        return self.last is not None and name in self.last.aliases
 
     async def router_state(self) -> RouterState:
         """`GET /models` and the router's `GET /props` (`max_instances`: its `--models-max`)."""
@@ -346,3 +352,9 @@ __all__ = [
     "server_entries",
     "unload_cause",
 ]
+
+
+def _aliases(value: object) -> frozenset[str]:
+    if not isinstance(value, list):
+        return frozenset()
+    return frozenset(a for a in value[:256] if isinstance(a, str) and 0 < len(a) <= 256)

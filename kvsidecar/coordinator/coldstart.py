@@ -76,18 +76,20 @@ class ColdStart:
         donor: SnapshotIdentity | None,
         held_by: str | None,
         isolated: bool = False,
+        donor_point: str | None = None,
     ) -> None:
         """`load`: the load this ends (allowed: the runtime is proven and the breaker let it run);
         `attempted`: a restore was handed to the server and did not count (the slot's KV is unknown);
         `share_prefix`: KV may be shared at all (`restore.share_prefix`); `held_by`: the key whose KV the
         slot held until this switch; `isolated`: its own snapshot was not loaded (scope.py), so until a turn
-        of it succeeds the slot is not its to come back to (its snapshot is)."""
+        of it succeeds the slot is not its to come back to (its snapshot is). `donor_point`: the donor's
+        generation the start plan proved (plan.py); only that one is restored."""
         fingerprint = srv.fingerprint
         reachable = srv.available and not self.persist.circuit_open(srv)
         share = load.allowed and not attempted and share_prefix
         kept: int | None = None
         if share and donor is not None and fingerprint is not None:
-            why = await self._donate(srv, slot, rt, donor, fingerprint, result, held_by)
+            why = await self._donate(srv, slot, rt, donor, fingerprint, result, held_by, donor_point)
             if why == "failed":
                 share = False  # handed to the server and not counted: the slot's KV is unknown now
             elif why in ("restored", "resident"):
@@ -140,6 +142,7 @@ class ColdStart:
         fingerprint: RuntimeFingerprint,
         result: AcquireResult,
         held_by: str | None,
+        point: str | None,
     ) -> str:
         """Issue 28: a cold session starts from `donor`'s newest snapshot (same provider, model, runtime and
         credential scope). The donor's files and manifest are only read; its state is not changed. Returns
@@ -159,7 +162,7 @@ class ColdStart:
             why = "refused"  # recorded under another scope, or before scopes were recorded
         else:
             with self.sessions.busy_with(donor.key):  # retention leaves its files alone meanwhile
-                why, tokens = await self._restore_donor(srv, slot, donor, donor_rt, fingerprint)
+                why, tokens = await self._restore_donor(srv, slot, donor, donor_rt, fingerprint, point)
         if why == "restored":
             result.shared_tokens = tokens
             result.actions.append(f"prefix_from {donor.short}")
@@ -173,6 +176,7 @@ class ColdStart:
         donor: SnapshotIdentity,
         donor_rt: SessionRuntime | None,
         fingerprint: RuntimeFingerprint,
+        point: str | None,
     ) -> tuple[str, int | None]:
         try:
             candidate, _ = await asyncio.to_thread(
@@ -184,6 +188,8 @@ class ColdStart:
             donor_rt is not None and (candidate.generation, fingerprint.digest) in donor_rt.refused
         ):
             return "none", None
+        if candidate.generation != point:  # the donor saved again since the plan: not the point it proved
+            return "moved", None
         mark = self.guard.mark(srv, fingerprint)
         called = False
         try:

@@ -293,6 +293,8 @@ class Coordinator:
     def route(self, provider: str, model: str | None = None) -> ServerRuntime | None:
         """The server of `provider`; a provider routed to a router's model goes by `model` (docs/SWAPS.md)."""
         name = self.config.server_for(provider, model)
+        if name is None and model is not None:  # the router runs a model under its aliases too
+            return self.swaps.known_as(self.config.routes.get(provider), model)
         return self.servers[name] if name is not None else None
 
     def session_key(

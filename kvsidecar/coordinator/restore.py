@@ -142,33 +142,34 @@ class Restorer:
         async with self.persist.persisting(srv, "load", slot=slot, ready=proven) as op:
             fingerprint = srv.fingerprint  # the one proven for this instance just now
             attempted = False  # a restore was handed to the server and did not count: unknown KV in the slot
+            donor_point, plan_kind = None, None  # the donor's generation the plan proved: no plan, no donor
             if not op.allowed:
                 self._unavailable(srv, result)
             elif not own:  # its snapshot (if any) is not loaded: cold, and why
                 result.reason = ISOLATED if self.store.get(rt.key) is not None else None
             elif self.config.restore.enabled and fingerprint is not None:
                 plan, found = await self._plan(srv, slot, rt, result, fingerprint, prompt, donor, share)
+                plan_kind = plan.kind
                 restored, attempted = await self._from_snapshot(
                     op, srv, slot, rt, result, fingerprint, plan, found
                 )
                 if restored:
                     return
+                donor_point = plan.point if plan.kind == DONOR else None
                 if donor is not None and plan.kind != DONOR:  # the plan found it useless or not worth it
                     self.telemetry.prefix_donated(srv.name, rt, donor.short, None, plan.reason)
-                    donor = None
+            if donor is not None and donor_point is None:  # restore off, unproven runtime, isolated: no plan
+                if plan_kind is None:
+                    self.telemetry.prefix_donated(srv.name, rt, donor.short, None, "unplanned")
+                donor = None
             share = self.config.restore.share_prefix and share
             await self.cold.start(
-                op,
-                srv,
-                slot,
-                rt,
-                result,
-                attempted=attempted,
-                share_prefix=share,
-                donor=donor,
-                held_by=held_by,
-                isolated=not own,
-            )
+                op, srv, slot, rt, result, attempted=attempted, share_prefix=share, donor=donor,
+                held_by=held_by, isolated=not own, donor_point=donor_point,
+            )  # fmt: skip
+            donated = any(a.startswith("prefix_from") for a in result.actions)
+            if plan_kind in (RESTORE, CARRY_OVER, DONOR) and not donated:  # the plan's restore did not happen
+                result.proved, result.expected_reuse = False, None
 
     def _unavailable(self, srv: ServerRuntime, result: AcquireResult) -> None:
         """Invariant 5: persistence failure defaults to cold inference (strict mode: it fails the acquire)."""

@@ -55,6 +55,18 @@ class ModelSwaps:
     def managed(self) -> list[ServerRuntime]:
         return [srv for srv in self.servers.values() if router_model(srv) is not None]
 
+    def known_as(self, routed: str | None, name: str) -> ServerRuntime | None:
+        """The model of the router `routed` (a server entry) that the router, as last seen, runs under the
+        alias `name`: a call naming it runs on that model's child, so it is that entry's."""
+        srv = self.servers.get(routed) if routed is not None else None
+        if srv is None or router_model(srv) is None:
+            return None
+        for other in [srv, *self._siblings(srv)]:
+            backend = router_model(other)
+            if backend is not None and backend.known_as(name):
+                return other
+        return None
+
     def _siblings(self, srv: ServerRuntime) -> list[ServerRuntime]:
         """The other models kvsidecar manages on the same router."""
         url = srv.config.base_url.rstrip("/")
@@ -73,7 +85,8 @@ class ModelSwaps:
             if me is not None and me.status == "unloaded" and state.max_loaded > 0:
                 loaded = state.loaded()
                 excess = len(loaded) + 1 - state.max_loaded
-                ours = [o for o in self._siblings(srv) if _model(o) in loaded]
+                # a model with a request running on one of its slots is never unloaded under it
+                ours = [o for o in self._siblings(srv) if _model(o) in loaded and not _busy(o)]
                 ours.sort(key=_last_used)
                 for victim in ours[: max(excess, 0)]:
                     await self._save_and_unload(victim, why=srv.name)
@@ -140,6 +153,10 @@ class ModelSwaps:
 def _model(srv: ServerRuntime) -> str | None:
     backend = router_model(srv)
     return backend.model if backend is not None else None
+
+
+def _busy(srv: ServerRuntime) -> bool:
+    return any(slot.holder is not None for slot in srv.slots.values())
 
 
 def _last_used(srv: ServerRuntime) -> float:

@@ -35,7 +35,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from kvsidecar.fingerprint.gguf_meta import GgufError, GgufFile, read_gguf
 from kvsidecar.fingerprint.llama_process import ProcessInfo
@@ -168,6 +168,46 @@ def _declared_recurrent(meta: Mapping[str, Any], arch: str, n_layer: int) -> set
     return None
 
 
+# Architectures that llama.cpp 11434 may run with a sliding (or chunked) window that the GGUF does not state:
+# its loader sets a default window or type for them (src/models/<arch>.cpp: llama4 chunks at 8192 unless the
+# key says 0, gemma2 and a 64-layer exaone4 default to 4096, ...). Without the key such a model's class is
+# not known (the strict rule), never plain.
+WINDOW_BY_DEFAULT: Final = frozenset(
+    {
+        "afmoe",
+        "cohere2",
+        "cohere2moe",
+        "deepseek4",
+        "dflash",
+        "dots3note",
+        "exaone4",
+        "exaone-moe",
+        "gemma-embedding",
+        "gemma2",
+        "gemma3",
+        "gemma3n",
+        "gemma4",
+        "gemma4-assistant",
+        "granite_swa",
+        "laguna",
+        "llama4",
+        "maple",
+        "mellum",
+        "mimo2",
+        "modern-bert",
+        "muse-glimmer",
+        "olmo2",
+        "gpt-oss",
+        "phi3",
+        "phimoe",
+        "plamo3",
+        "smallthinker",
+        "spark2_5",
+        "step35",
+    }
+)
+
+
 def _swa(meta: Mapping[str, Any], arch: str, n_layer: int) -> tuple[int, int | None]:
     window = meta.get(f"{arch}.attention.sliding_window")
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
@@ -228,6 +268,8 @@ def classify(gguf: GgufFile) -> MemoryClass:
         return _replace(base, kind=kind)
     if declared:  # the metadata names recurrent layers the tensors do not have
         return _replace(base, why="recurrent layers named in the metadata have no recurrent weights")
+    if not n_swa and arch in WINDOW_BY_DEFAULT and f"{arch}.attention.sliding_window" not in meta:
+        return _replace(base, why=f"{arch}: llama.cpp may run it with a window its metadata does not state")
     return _replace(base, kind=SWA if n_swa else PLAIN)
 
 

@@ -20,8 +20,11 @@ from kvsidecar.metrics import Metrics
 class Router:
     """A router of several models, `max_loaded` at once; `log` is what was asked of it, in order."""
 
-    def __init__(self, models: list[str], max_loaded: int) -> None:
+    def __init__(
+        self, models: list[str], max_loaded: int, aliases: dict[str, list[str]] | None = None
+    ) -> None:
         self.loaded: dict[str, int] = {}
+        self.aliases = aliases or {}
         self.models, self.max_loaded, self.log = models, max_loaded, list[str]()
         self.port = 41000
 
@@ -33,6 +36,7 @@ class Router:
             data = [
                 {
                     "id": m,
+                    "aliases": self.aliases.get(m, []),
                     "status": {"value": "loaded", "args": ["--port", str(self.loaded[m])]}
                     if m in self.loaded
                     else {"value": "unloaded"},
@@ -130,3 +134,30 @@ async def test_an_unload_kvsidecar_did_not_cause_is_counted_once() -> None:
     assert view["unloads"] == {"router": 1} and view["last_unload"]["cause"] == "router"
     assert view["router_status"] == "unloaded"
     assert metrics.router_unloads.labels("a", "router")._value.get() == 1
+
+
+async def test_a_model_with_a_request_in_flight_is_not_unloaded() -> None:
+    """A slot of b runs a request (a lease holds it): making room for c never unloads b under it."""
+    router = Router(["a", "b", "c"], max_loaded=3)
+    a, b, c = (runtime(n, n, router) for n in "abc")
+    swaps, _ = swaps_of([a, b, c], router.log)
+    await swaps.load(a)
+    await swaps.load(b)
+    router.max_loaded = 2
+    a.slots[0].last_used_at, b.slots[0].last_used_at = 20.0, 10.0  # b is the least recently used
+    b.slots[0].holder = "a lease: a client's request runs on b now"
+    await swaps.load(c)
+    assert "unload:b" not in router.log and "unload:a" in router.log, router.log
+
+
+async def test_a_model_named_by_its_alias_is_the_entry_of_that_model() -> None:
+    """The router runs a call naming an alias on the aliased model's child: kvsidecar routes it there too
+    (once a look at the router has seen the alias), never as an unmanaged pass-through."""
+    router = Router(["qwen", "gemma"], max_loaded=2, aliases={"qwen": ["coder", "qwen-latest"]})
+    qwen, gemma = runtime("qwen", "qwen", router), runtime("gemma", "gemma", router)
+    swaps, _ = swaps_of([qwen, gemma], router.log)
+    assert swaps.known_as("gemma", "coder") is None  # nothing seen of the router yet
+    await swaps.load(qwen)
+    await gemma.refresh()
+    assert swaps.known_as("gemma", "coder") is qwen and swaps.known_as("qwen", "qwen-latest") is qwen
+    assert swaps.known_as("qwen", "llama") is None and swaps.known_as(None, "coder") is None
