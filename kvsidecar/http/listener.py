@@ -67,6 +67,7 @@ MAX_HEADERS = 64
 MAX_HEADER_LINE = 8000  # `name: value`, without the CRLF
 MAX_TARGET = 8192
 MAX_HEAD_BYTES = 32 * 1024  # the target and every header line together
+LINGER_S = 2.0  # after a refusal: how long what the client still sends is read and dropped
 
 
 class _Refused(Exception):
@@ -269,7 +270,15 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def _answer_malformed(self) -> None:
         self._disarm()
         self.transport.write(self._refusal or self.listener.bad_request_answer)
-        self.transport.close()
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        # A close with the client's bytes still unread sends a reset, which can destroy the answer before
+        # the client reads it (a head too large is refused mid-send): end our side after the answer, drop
+        # what still comes (data_received, `_malformed`), and close once the client has or LINGER_S passed.
+        self.transport.write_eof()
+        self.transport.resume_reading()
+        self._deadline = self.loop.call_later(LINGER_S, self.abort)
 
     def cut_slow_body(self) -> None:
         """End the request whose body is still arriving: 429 `KV_TOO_MANY_BODIES` (when nothing of an

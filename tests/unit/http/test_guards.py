@@ -5,6 +5,7 @@ tests/integration/test_proxy_guard_real.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -431,3 +432,20 @@ async def test_a_peer_proxy_names_itself_on_every_answer_to_a_forwarded_request(
 
 async def _answer(status: int, body: bytes) -> tuple[int, bytes, tuple[tuple[str, str], ...]]:
     return status, body, (("content-type", "application/json"),)
+
+
+async def test_a_client_still_sending_its_oversized_head_reads_the_431(tmp_path: Path) -> None:
+    """The 431 goes out while most of the client's head is still unread: the listener ends its side after
+    the answer and reads on, so the connection is never reset under the answer (a close with unread bytes
+    sends a reset, and a client reading to the end of the stream then gets an error, not the 431)."""
+    from tests.unit.http.test_listener import serve_api
+
+    async for api in serve_api(tmp_path):
+        host, port = api.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port.rstrip("/")))
+        try:
+            writer.write(b"GET /v1/status HTTP/1.1\r\nhost: 127.0.0.1\r\n" + b"x-a: b\r\n" * 60_000)
+            answer = await asyncio.wait_for(reader.read(), 10)
+        finally:
+            writer.close()
+        assert status_and_code(answer) == (431, "KV_HEADERS_TOO_LARGE"), answer[:200]
