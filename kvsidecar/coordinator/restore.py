@@ -194,7 +194,10 @@ class Restorer:
     ) -> tuple[StartPlan, Found]:
         """The start plan (plan.py) from the facts read now (starts.py); the answer carries it."""
         candidates, rejections = await self._find(srv, rt, fingerprint)
-        flags = Flags(share_prefix=self.config.restore.share_prefix, share=share)
+        known = sum(1 for r in self.sessions.by_key.values() if r.identity.server == srv.name)
+        flags = Flags(
+            share_prefix=self.config.restore.share_prefix, share=share, oversubscribed=known > len(srv.slots)
+        )
         own = Own(candidates=tuple(candidates), rejections=tuple(rejections))
         plan, facts = await self.planner.plan(srv, slot, rt, own, prompt=prompt, donor=donor, flags=flags)
         tell(result, plan, facts)
@@ -429,3 +432,4 @@ def tell(result: AcquireResult, plan: StartPlan, facts: StartFacts) -> None:
     prompt's tokens proved it (headers, logs and status show them)."""
     result.plan, result.plan_reason, result.memory_class = plan.kind, plan.reason, facts.model.kind
     result.expected_reuse, result.proved = plan.expected_reuse, plan.proved
+    result.prompt_point = plan.take_prompt_point
