@@ -62,7 +62,7 @@ class RestoreResponse(BaseModel):
     expected_reuse: int | None = Field(description="tokens the plan expects llama-server to reuse")
     proved: bool | None = Field(description="the prompt's tokens proved that reuse")
     prompt_point: bool = Field(
-        description="the plan asks for a save point at the prompt's end before generation (the proxy takes it)"
+        description="whether the plan asks for a save point at the prompt's end (the proxy takes it first)"
     )
 
 
