@@ -72,6 +72,8 @@ class SavePoints:
         except KvError as exc:
             return self._told(srv, rt.identity.short, len(head), None, started, None, exc.code)
         prefilled = self.clock()
+        if slot.holder is not lease or slot.owner != rt.key:  # the lease ended meanwhile: not ours to save
+            return self._told(srv, rt.identity.short, len(head), computed, started, prefilled, "lease_ended")
         self.sessions.ran(rt)  # the slot moved past the session's snapshot: dirty, so the save runs
         self.sessions.track_context(rt, done.computed, done.reused)
         self.pool.touched(slot, len(head))

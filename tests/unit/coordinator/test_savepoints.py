@@ -134,3 +134,31 @@ async def test_a_failed_prompt_point_never_fails_the_turn(tmp_path: Path, fails:
         assert m is None or m.current is None  # no generation recorded for a point that failed
     finally:
         await h.coordinator.aclose()
+
+
+async def test_a_lease_that_ends_during_the_prefill_is_not_saved(tmp_path: Path) -> None:
+    """The slot may be handed on while the prefill runs (the lease expired or was released): what it holds
+    then is not the session's to save."""
+    h = await start_harness(tmp_path)
+    try:
+        ids_engine(h)
+        await finish(h, await acquire(h, "B", conversation("B", 2)), conversation("B", 2))
+        r = await acquire(h, "A", conversation("A", 3))
+        assert r.prompt_point and r.lease_id is not None
+        lease_id = r.lease_id
+        prompt = h.fake.run_prompt
+
+        async def released_meanwhile(
+            slot_id: int, tokens: str | list[int], *, n_predict: int = 0
+        ) -> PromptResult:
+            done = await prompt(slot_id, tokens, n_predict=n_predict)
+            await h.coordinator.release(lease_id, status="aborted")
+            return done
+
+        h.fake.run_prompt = released_meanwhile  # type: ignore[method-assign]
+        h.calls()
+        taken = await h.coordinator.savepoints.take(lease_id)
+        assert taken is not None and taken.error == "lease_ended" and not taken.saved, taken
+        assert "save" not in h.calls()
+    finally:
+        await h.coordinator.aclose()
