@@ -146,7 +146,7 @@ async def test_a_lease_that_ends_during_the_prefill_is_not_saved(tmp_path: Path)
         r = await acquire(h, "A", conversation("A", 3))
         assert r.prompt_point and r.lease_id is not None
         lease_id = r.lease_id
-        prompt = h.fake.run_prompt
+        run = h.fake.run_prompt
 
         async def released_meanwhile(
             slot_id: int, tokens: str | list[int], *, n_predict: int = 0
