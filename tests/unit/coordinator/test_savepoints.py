@@ -149,9 +149,9 @@ async def test_a_lease_that_ends_during_the_prefill_is_not_saved(tmp_path: Path)
         run = h.fake.run_prompt
 
         async def released_meanwhile(
-            slot_id: int, tokens: str | list[int], *, n_predict: int = 0
+            slot_id: int, prompt: str | list[int], *, n_predict: int = 0
         ) -> PromptResult:
-            done = await prompt(slot_id, tokens, n_predict=n_predict)
+            done = await run(slot_id, prompt, n_predict=n_predict)
             await h.coordinator.release(lease_id, status="aborted")
             return done
 
