@@ -9,7 +9,8 @@ so turn 2 restores it and reuses |P1| - 1 tokens. The control is B: its first tu
 session (no prompt point), and its second, after A evicted it, finds only its end-of-turn point, which its
 next prompt diverges from: nothing is restored. (A's end-of-turn save is skipped here by the checkpoint
 policy: its few generated tokens are cheaper to recompute than to save, and the prompt point is kept.) The
-prefill-only call and the save (ms, from the daemon's log) are printed as each turn's cost."""
+prefill-only call and the save (ms, from the daemon's log and the `X-KV-Prompt-Point-*` headers) are printed
+as each turn's cost."""
 
 from __future__ import annotations
 
@@ -66,6 +67,12 @@ def test_the_next_turn_restores_the_prompt_point_after_an_eviction(
         llama.stop()
     points = [tuple(int(x) for x in found) for found in COST.findall(log)]  # (tokens, computed) per point
     costs = [(float(p), float(s)) for p, s in COST_MS.findall(log)]
+    said = [
+        (int(t.headers["x-kv-prompt-point-tokens"]), int(t.headers["x-kv-prompt-point-computed"]))
+        for t in (first, b1, second)
+    ]
+    assert said == points, (said, points)  # the answers tell what the log does
+    assert all(t.headers.get("x-kv-prompt-point") == "saved" for t in (first, b1, second))
     print(f"turn 1: computed {first.computed}, reused {first.reused}; {first.headers}")
     print(f"B's turn 2 (no prompt point before it): {b1.headers}")
     print(f"turn 2: computed {second.computed}, reused {second.reused}; {second.headers}")
