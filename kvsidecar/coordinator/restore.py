@@ -174,6 +174,10 @@ class Restorer:
             if plan_kind in (RESTORE, CARRY_OVER, DONOR) and not donated:  # the plan's restore did not happen
                 result.proved, result.expected_reuse = False, None
 
+    def oversubscribed(self, srv: ServerRuntime) -> bool:
+        """Does `srv` know more sessions than it has slots (evictions to come)?"""
+        return sum(1 for r in self.sessions.by_key.values() if r.identity.server == srv.name) > len(srv.slots)
+
     def _unavailable(self, srv: ServerRuntime, result: AcquireResult) -> None:
         """Invariant 5: persistence failure defaults to cold inference (strict mode: it fails the acquire)."""
         result.outcome = Outcome.COLD_FALLBACK
@@ -194,9 +198,10 @@ class Restorer:
     ) -> tuple[StartPlan, Found]:
         """The start plan (plan.py) from the facts read now (starts.py); the answer carries it."""
         candidates, rejections = await self._find(srv, rt, fingerprint)
-        known = sum(1 for r in self.sessions.by_key.values() if r.identity.server == srv.name)
         flags = Flags(
-            share_prefix=self.config.restore.share_prefix, share=share, oversubscribed=known > len(srv.slots)
+            share_prefix=self.config.restore.share_prefix,
+            share=share,
+            oversubscribed=self.oversubscribed(srv),
         )
         own = Own(candidates=tuple(candidates), rejections=tuple(rejections))
         plan, facts = await self.planner.plan(srv, slot, rt, own, prompt=prompt, donor=donor, flags=flags)

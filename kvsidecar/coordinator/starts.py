@@ -34,6 +34,7 @@ from kvsidecar.coordinator.plan import (
     StartFacts,
     StartPlan,
     plan_start,
+    wants_prompt_point,
 )
 from kvsidecar.coordinator.runtime import RuntimeGuard
 from kvsidecar.coordinator.scope import ram_lookups
@@ -105,6 +106,21 @@ class Planner:
         """The class last read for `srv` (unknown before its first plan)."""
         known = self._memory.get(srv.name)
         return known[1].kind if known is not None else UNKNOWN
+
+    def resident_point(
+        self, srv: ServerRuntime, prompt: PromptTokens | None, *, restore_enabled: bool, oversubscribed: bool
+    ) -> bool:
+        """Does a resident session's turn take a save point at its prompt's end? plan.py's rule, with the
+        class last read for `srv` (no I/O: a resident acquire makes none)."""
+        known = self._memory.get(srv.name)
+        memory = known[1] if known is not None else None
+        facts = StartFacts(
+            scope="",
+            model=ModelFacts(kind=memory.kind, swa_full=memory.swa_full) if memory else ModelFacts(),
+            prompt=_prompt(prompt),
+            flags=Flags(restore_enabled=restore_enabled, oversubscribed=oversubscribed),
+        )
+        return wants_prompt_point(facts)
 
     def tokenizer_for(self, srv: ServerRuntime, *, always: bool = False) -> PromptTokenizer | None:
         """llama-server's tokenizer, when a request's tokens can change what its session starts from: every

@@ -162,3 +162,25 @@ async def test_a_lease_that_ends_during_the_prefill_is_not_saved(tmp_path: Path)
         assert "save" not in h.calls()
     finally:
         await h.coordinator.aclose()
+
+
+async def test_a_resident_turn_takes_its_prompt_point_too(tmp_path: Path) -> None:
+    """A session that stays in its slot for a turn is still likely to be evicted later: its turn saves the
+    prompt's end too (the rule is the plan's, from the class already read: no I/O at the acquire)."""
+    h = await start_harness(tmp_path)
+    try:
+        ids_engine(h)
+        await finish(h, await acquire(h, "B", conversation("B", 2)), conversation("B", 2))
+        p1 = conversation("A", 3)
+        await finish(h, await acquire(h, "A", p1), p1 + [21] * 30)
+        p2 = p1 + [22] * 30 + [23] * 40
+        h.calls()
+        r = await acquire(h, "A", p2)
+        assert r.outcome is Outcome.RESIDENT and r.prompt_point, r
+        assert h.calls() == []  # the acquire itself made no call
+        assert r.lease_id is not None
+        taken = await h.coordinator.savepoints.take(r.lease_id)
+        assert taken is not None and taken.saved and taken.tokens == len(p2) - 1, taken
+        await finish(h, r, p2)
+    finally:
+        await h.coordinator.aclose()
