@@ -80,12 +80,12 @@ def test_the_next_turn_restores_the_prompt_point_after_an_eviction(
     print(f"|P1| = {len(p1)}, |P2| = {len(p2)}")
     assert len(points) == 3, points  # A's turn 1, B's turn 2, A's turn 2
     assert points[0] == (len(p1) - 1, len(p1) - 1), (points, len(p1))
-    assert first.reused >= len(p1) - 1 and first.computed - points[0][1] <= 2, first  # it extended the point
+    assert first.computed - points[0][1] <= 2, first  # the request itself extended the point
     # turn 2 restored the prompt point: its own prompt point's prefill reused all of it
     assert second.headers.get("x-kv-plan") == plan.RESTORE, second.headers
     assert second.headers.get("x-kv-restored-tokens") == str(len(p1) - 1), second.headers
     assert points[2] == (len(p2) - 1, len(p2) - len(p1)), (points, len(p1), len(p2))
-    assert second.reused >= len(p2) - 1, second
+    assert second.reused >= len(p1) - 1, second  # the restored point, reused by the turn's prefill
     # the control: B came back with only its end-of-turn point, which its next prompt diverges from (its
     # reply re-tokenized): nothing restored, its whole prompt computed
     assert b1.headers.get("x-kv-plan-reason") == plan.R_HYBRID_DIVERGENCE, b1.headers
