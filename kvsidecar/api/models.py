@@ -61,6 +61,9 @@ class RestoreResponse(BaseModel):
     memory_class: str | None = Field(description="the model's memory class: plain, swa, hybrid, ...")
     expected_reuse: int | None = Field(description="tokens the plan expects llama-server to reuse")
     proved: bool | None = Field(description="the prompt's tokens proved that reuse")
+    prompt_point: bool = Field(
+        description="whether the plan asks for a save point at the prompt's end (the proxy takes it first)"
+    )
 
 
 class AcquireResponse(RestoreResponse):

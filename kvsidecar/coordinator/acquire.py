@@ -13,7 +13,7 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
-from kvsidecar.backend.prompts import PromptTokens
+from kvsidecar.backend.prompts import KnownTokens, PromptTokens
 from kvsidecar.config import ApiConfig
 from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.checkpoint import CheckpointPolicy
@@ -124,6 +124,8 @@ class Acquirer:
             raise
         finally:
             self.pool.preparing.discard(lease.id)
+        if result.prompt_point and isinstance(prompt, KnownTokens):
+            lease.prompt_point = prompt.tokens  # the proxy has it taken before forwarding (savepoints.py)
         self._grant(srv, slot, lease, result)
         return result
 

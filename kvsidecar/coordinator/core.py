@@ -42,6 +42,7 @@ from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.restore import Restorer
 from kvsidecar.coordinator.runtime import RuntimeGuard
 from kvsidecar.coordinator.save import Saver
+from kvsidecar.coordinator.savepoints import SavePoints
 from kvsidecar.coordinator.scope import ScopeGate, ScopeLedger
 from kvsidecar.coordinator.server import ProcessFinder, ServerRuntime, build_servers
 from kvsidecar.coordinator.sessions import SessionTable
@@ -214,6 +215,7 @@ class Coordinator:
             acquire_timeout_s=acquire_timeout_s,
         )
         self.release = self.acquirer.release
+        self.savepoints = SavePoints(self.acquirer, self.saver)  # the prompt's end, before the proxy forwards
         self.lease_ends = LeaseEnds(
             servers=self.servers,
             leases=self.leases,

@@ -24,13 +24,16 @@ slot shares more. A prompt whose tokens are unknown proves nothing: plain restor
 hybrid restores the newest point only when llama-server's RAM cache cannot hold the session (off, or the
 server restarted since the session ran), else keeps the slot so that the RAM cache can act; SWA never
 restores. A plan that restores nothing keeps the slot's KV (same credential scope only, coordinator/scope.py)
-or erases it. Each answer carries a stable reason code (`REASONS`) and the tokens it expects reused.
+or erases it. Each answer carries a stable reason code (`REASONS`) and the tokens it expects reused, and
+whether a save point is taken at the prompt's end before generation (`wants_prompt_point`; the proxy takes
+it, coordinator/savepoints.py): the point a hybrid session's next turn extends when its chat template
+re-renders the last assistant message.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvsidecar.backend.prompts import shared_prefix
@@ -156,6 +159,7 @@ class Flags:
     share: bool = True  # ... and on KV of another session of its scope
     ram_cache: str = "unknown"  # on / off / unknown (llama-server's --cache-ram)
     ran_on_instance: bool = False  # the session ran on this llama-server instance (its RAM cache may hold it)
+    oversubscribed: bool = False  # the server knows more sessions than it has slots (evictions to come)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,7 +184,7 @@ class StartPlan:
     point: str | None = None  # the generation restored (own or the donor's)
     donor: str | None = None
     divergence: int | None = None  # k = |T| - lcp of the point judged (None: not known)
-    take_prompt_point: bool = False  # save a point at the prompt's end before generating (not yet taken)
+    take_prompt_point: bool = False  # save a point at the prompt's end before generating (wants_prompt_point)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -251,7 +255,34 @@ def may_keep(f: StartFacts) -> bool:
 
 
 def plan_start(f: StartFacts) -> StartPlan:
-    """The one decision: what the session starts from (see the module docstring)."""
+    """The one decision: what the session starts from (see the module docstring), and whether a save point is
+    taken at the prompt's end before generating (`wants_prompt_point`)."""
+    got = _start(f)
+    return replace(got, take_prompt_point=True) if wants_prompt_point(f) else got
+
+
+def wants_prompt_point(f: StartFacts) -> bool:
+    """A save at the prompt's end (its tokens but the last, before generation) is the point that the next
+    turn's prompt extends strictly even when the template re-renders the last assistant message or drops
+    its reasoning: worth its cost (a prefill-only call and a save on the critical path) only where a restore
+    needs a strict extension (hybrid, recurrent, SWA with --swa-full; not a class that could not be read),
+    the prompt's tokens are known, the session may run on its own snapshot, and it is likely to be evicted
+    (the server knows more sessions than it has slots)."""
+    classes = f.model.kind in (HYBRID_CLASS, RECURRENT_CLASS) or (
+        f.model.kind == SWA_CLASS and f.model.swa_full
+    )
+    tokens = f.prompt.tokens
+    return (
+        classes
+        and tokens is not None
+        and len(tokens) >= 2
+        and f.flags.restore_enabled
+        and f.flags.own
+        and f.flags.oversubscribed
+    )
+
+
+def _start(f: StartFacts) -> StartPlan:
     rule = rule_of(f.model)
     if f.slot.resident:
         reuse = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 
 from kvsidecar.backend.base import RestoreResult
@@ -46,7 +47,9 @@ from kvsidecar.fingerprint.savepath import llama_save_dir
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import Candidate, Rejection, SnapshotStore
 
-Found = tuple[Candidate | None, list[Rejection]]  # the session's newest candidate, and what was passed over
+Found = tuple[
+    list[Candidate], list[Rejection]
+]  # the session's restorable points (newest first), what was not
 
 
 class Restorer:
@@ -171,6 +174,10 @@ class Restorer:
             if plan_kind in (RESTORE, CARRY_OVER, DONOR) and not donated:  # the plan's restore did not happen
                 result.proved, result.expected_reuse = False, None
 
+    def oversubscribed(self, srv: ServerRuntime) -> bool:
+        """Does `srv` know more sessions than it has slots (evictions to come)?"""
+        return sum(1 for r in self.sessions.by_key.values() if r.identity.server == srv.name) > len(srv.slots)
+
     def _unavailable(self, srv: ServerRuntime, result: AcquireResult) -> None:
         """Invariant 5: persistence failure defaults to cold inference (strict mode: it fails the acquire)."""
         result.outcome = Outcome.COLD_FALLBACK
@@ -190,13 +197,17 @@ class Restorer:
         share: bool,
     ) -> tuple[StartPlan, Found]:
         """The start plan (plan.py) from the facts read now (starts.py); the answer carries it."""
-        candidate, rejections = await self._find(srv, rt, fingerprint)
-        flags = Flags(share_prefix=self.config.restore.share_prefix, share=share)
-        own = Own(candidate=candidate, rejections=tuple(rejections))
+        candidates, rejections = await self._find(srv, rt, fingerprint)
+        flags = Flags(
+            share_prefix=self.config.restore.share_prefix,
+            share=share,
+            oversubscribed=self.oversubscribed(srv),
+        )
+        own = Own(candidates=tuple(candidates), rejections=tuple(rejections))
         plan, facts = await self.planner.plan(srv, slot, rt, own, prompt=prompt, donor=donor, flags=flags)
         tell(result, plan, facts)
         self.telemetry.planned(srv.name, rt, plan, facts.model.kind)
-        return plan, (candidate, rejections)
+        return plan, (candidates, rejections)
 
     async def _from_snapshot(
         self,
@@ -212,7 +223,8 @@ class Restorer:
         """The plan's generation restored (carried over first when the plan says so): (restored,
         attempted and not counted). A plan that restores nothing: the reason is its."""
         attempted = False
-        candidate, rejections = found
+        candidates, rejections = found
+        candidate = chosen(candidates, plan.point)
         if plan.kind not in (RESTORE, CARRY_OVER):
             if rejections and candidate is None and result.outcome is Outcome.COLD:
                 result.outcome, result.reason = Outcome.COLD_FALLBACK, rejections[0].reason
@@ -225,7 +237,8 @@ class Restorer:
             # the same KV (a new generation of ours), then found and restored like any other.
             why = await self.carry.carry(op, srv, slot, rt, rejections, fingerprint)
             if why is None:
-                candidate, rejections = await self._find(srv, rt, fingerprint)
+                candidates, rejections = await self._find(srv, rt, fingerprint)
+                candidate = candidates[0] if candidates else None
                 if candidate is not None and await self._restore(
                     srv, slot, rt, candidate, fingerprint, result, None
                 ):
@@ -245,21 +258,24 @@ class Restorer:
             self.sessions.apply(rt, SessionEvent.REJECTED)
         return False, attempted
 
-    async def _find(
-        self, srv: ServerRuntime, rt: SessionRuntime, fingerprint: RuntimeFingerprint
-    ) -> tuple[Candidate | None, list[Rejection]]:
+    async def _find(self, srv: ServerRuntime, rt: SessionRuntime, fingerprint: RuntimeFingerprint) -> Found:
+        """The session's restorable points, newest first (every generation that passes the candidate
+        checks), and why the others were passed over."""
         try:
-            candidate, rejections = await asyncio.to_thread(
-                self.store.find_restorable, rt.identity, fingerprint, max_tokens=srv.slot_n_ctx
+            candidates, rejections = await asyncio.to_thread(
+                self.store.find_points, rt.identity, fingerprint, max_tokens=srv.slot_n_ctx
             )
         except KvError as exc:  # the manifest could not be read: this session is cold, nothing else fails
             self.telemetry.unreadable(rt, exc)
-            return None, []
-        if candidate is not None and (candidate.generation, fingerprint.digest) in rt.refused:
-            return None, []  # this runtime already refused exactly this file: not handed over again
+            return [], []
+        # a file this runtime already refused is not handed over again; nor, when the newest was refused, an
+        # older one (the same runtime would likely refuse it too: the session starts cold, as it did)
+        if candidates and (candidates[0].generation, fingerprint.digest) in rt.refused:
+            return [], []
+        candidates = [c for c in candidates if (c.generation, fingerprint.digest) not in rt.refused]
         for rej in rejections:
             self.telemetry.rejected(rt, rej)
-        return candidate, rejections
+        return candidates, rejections
 
     async def _restore(
         self,
@@ -405,8 +421,20 @@ class Restorer:
         return result
 
 
+def chosen(candidates: list[Candidate], generation: str | None) -> Candidate | None:
+    """The candidate of the plan's generation (the newest when the plan names none). One the plan chose over
+    a newer valid point is its choice (the longest the prompt can use), not a fallback."""
+    if generation is None:
+        return candidates[0] if candidates else None
+    for i, c in enumerate(candidates):
+        if str(c.generation) == generation:
+            return c if i == 0 else replace(c, fallback=False)
+    return None
+
+
 def tell(result: AcquireResult, plan: StartPlan, facts: StartFacts) -> None:
     """The answer carries the plan: its kind and reason, the class, the reuse it expects and whether the
     prompt's tokens proved it (headers, logs and status show them)."""
     result.plan, result.plan_reason, result.memory_class = plan.kind, plan.reason, facts.model.kind
     result.expected_reuse, result.proved = plan.expected_reuse, plan.proved
+    result.prompt_point = plan.take_prompt_point

@@ -4,10 +4,11 @@ each session last ran on, and the reuse each restore was planned to give (checke
 
 `Planner.plan()` reads: the model's memory class (fingerprint/memory_class.py, from the model files of the
 process and its settings; cached per fingerprint), the prompt's tokens (the proxy's, or the hook API's
-`prompt`), the slot (its scope, tokens, whether it is empty), the session's restorable point (the newest
-generation that passes the candidate checks, its tokens from the file's header), a donor's point and tokens,
-the RAM cache's setting, the cost figures and the flags; then asks `plan_start` and returns its answer. It
-writes nothing but its own three maps; the executors (restore.py, coldstart.py, carry.py) act on the plan.
+`prompt`), the slot (its scope, tokens, whether it is empty), the session's restorable points (every
+generation that passes the candidate checks, newest first, each with its tokens from the file's header), a
+donor's point and tokens, the RAM cache's setting, the cost figures and the flags; then asks `plan_start` and
+returns its answer. It writes nothing but its own three maps; the executors (restore.py, coldstart.py,
+carry.py) act on the plan.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvsidecar.coordinator.plan import (
     StartFacts,
     StartPlan,
     plan_start,
+    wants_prompt_point,
 )
 from kvsidecar.coordinator.runtime import RuntimeGuard
 from kvsidecar.coordinator.scope import ram_lookups
@@ -54,7 +56,7 @@ _REMEMBERED = 1 << 16  # sessions whose instance and expected reuse are kept (ol
 class Own:
     """The session's own snapshot as found for this runtime."""
 
-    candidate: Candidate | None
+    candidates: tuple[Candidate, ...] = ()  # newest first
     rejections: tuple[Rejection, ...] = ()
 
 
@@ -105,6 +107,21 @@ class Planner:
         known = self._memory.get(srv.name)
         return known[1].kind if known is not None else UNKNOWN
 
+    def resident_point(
+        self, srv: ServerRuntime, prompt: PromptTokens | None, *, restore_enabled: bool, oversubscribed: bool
+    ) -> bool:
+        """Does a resident session's turn take a save point at its prompt's end? plan.py's rule, with the
+        class last read for `srv` (no I/O: a resident acquire makes none)."""
+        known = self._memory.get(srv.name)
+        memory = known[1] if known is not None else None
+        facts = StartFacts(
+            scope="",
+            model=ModelFacts(kind=memory.kind, swa_full=memory.swa_full) if memory else ModelFacts(),
+            prompt=_prompt(prompt),
+            flags=Flags(restore_enabled=restore_enabled, oversubscribed=oversubscribed),
+        )
+        return wants_prompt_point(facts)
+
     def tokenizer_for(self, srv: ServerRuntime, *, always: bool = False) -> PromptTokenizer | None:
         """llama-server's tokenizer, when a request's tokens can change what its session starts from: every
         class but plain (whose newest point needs no proof), and `always` (a donor is proposed: chosen by the
@@ -137,8 +154,8 @@ class Planner:
     ) -> tuple[StartPlan, StartFacts]:
         memory = await self.memory(srv)
         points: tuple[Point, ...] = ()
-        if own is not None and own.candidate is not None:
-            points = (await self._point(own.candidate),)
+        if own is not None and own.candidates:
+            points = tuple([await self._point(c) for c in own.candidates])
         elif own is not None and own.rejections:
             rej = own.rejections[0]  # saved under another build: a carry-over may bring it back
             points = (Point(generation=str(rej.generation), n_tokens=0, carry=True),)

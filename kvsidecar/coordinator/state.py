@@ -170,6 +170,7 @@ class Lease:
     active: bool = False
     granted_at: float = 0.0  # loop time of the grant
     tokens_at_grant: int | None = None  # the slot's tokens as the grant left them (None: not known)
+    prompt_point: tuple[int, ...] | None = None  # the prompt whose save point the plan takes (savepoints.py)
 
 
 @dataclass(kw_only=True)
@@ -228,6 +229,7 @@ class AcquireResult:
     memory_class: str | None = None
     expected_reuse: int | None = None
     proved: bool | None = None
+    prompt_point: bool = False  # the plan takes a save point at the prompt's end (coordinator/savepoints.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (v.value if isinstance(v, Outcome) else v) for k, v in self.__dict__.items()}

@@ -70,7 +70,13 @@ class Switch:
             found = self.gate.judge(srv, self.gate.held(slot, incoming, own=True), incoming)
             if found is Verdict.RUN:
                 self.gate.ran(srv, incoming)
-                return AcquireResult(outcome=Outcome.RESIDENT)
+                point = self.restorer.planner.resident_point(  # the prompt's end saved first, or not
+                    srv,
+                    prompt,
+                    restore_enabled=self.restorer.config.restore.enabled,
+                    oversubscribed=self.restorer.oversubscribed(srv),
+                )
+                return AcquireResult(outcome=Outcome.RESIDENT, prompt_point=point)
             return await self._isolate(srv, slot, rt, found)
         result = AcquireResult(outcome=Outcome.COLD)
         own, share = self.gate.may_use_own(srv, incoming), self.gate.may_share(srv, incoming)

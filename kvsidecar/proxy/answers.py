@@ -28,6 +28,7 @@ from starlette.responses import Response
 
 from kvsidecar.coordinator import plan
 from kvsidecar.coordinator.core import INVALIDATED
+from kvsidecar.coordinator.savepoints import PointTaken
 from kvsidecar.coordinator.state import UNKNOWN_CLIENT, AcquireResult, Outcome
 from kvsidecar.errors import (
     HTTP_STATUS,
@@ -219,4 +220,21 @@ def kv_headers(result: AcquireResult, *, restore_enabled: bool = True) -> list[t
         if result.expected_reuse is not None:
             out.append((b"x-kv-expected-reuse", str(result.expected_reuse).encode()))
         out.append((b"x-kv-proved", b"true" if result.proved else b"false"))
+    return out
+
+
+def with_point(
+    headers: list[tuple[bytes, bytes]] | None, taken: PointTaken | None
+) -> list[tuple[bytes, bytes]] | None:
+    """`headers` and, when a save point was taken at the prompt's end (coordinator/savepoints.py), what it
+    did: the tokens it holds, the tokens its prefill computed (the request's own `timings` then count one),
+    its cost in ms (prefill and save), and the error that left it unsaved."""
+    if taken is None:
+        return headers
+    out = list(headers or ())
+    out.append((b"x-kv-prompt-point-tokens", str(taken.tokens).encode()))
+    if taken.computed is not None:
+        out.append((b"x-kv-prompt-point-computed", str(taken.computed).encode()))
+    out.append((b"x-kv-prompt-point-ms", f"{taken.prefill_ms:.1f};{taken.save_ms:.1f}".encode()))
+    out.append((b"x-kv-prompt-point", b"saved" if taken.saved else (taken.error or "failed").encode()))
     return out

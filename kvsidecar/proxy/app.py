@@ -394,6 +394,8 @@ class Proxy:
         )
         status, timings = "aborted", None
         try:
+            if lease.prompt_point:  # the plan saves the prompt's end before generating (never fails the call)
+                extra = answers.with_point(extra, await self.coordinator.savepoints.take(lease.lease_id))
             body, pinned, convert = pinned_body(call, lease.slot_id)
             out = self.outbound.request(
                 scope, call.path, body, authenticated=True, pinned=pinned, converted=convert

@@ -110,11 +110,37 @@ class CandidateFinder:
         The file must be a plain regular file of ours (one link, expected owner, not a link) and match
         its record; `Candidate.file_id` is what was verified (see `confirm_unchanged`).
         """
+        found, rejections = self._walk(identity, fingerprint, max_tokens=max_tokens, deep=deep, first=True)
+        return (found[0] if found else None), rejections
+
+    def find_all(
+        self,
+        identity: SnapshotIdentity,
+        fingerprint: RuntimeFingerprint,
+        *,
+        max_tokens: int | None,
+        deep: bool,
+    ) -> tuple[list[Candidate], list[Rejection]]:
+        """Every generation that is safe to hand to llama-server, newest first (each passed the checks of
+        `find`), and why the others were passed over: the points a start plan chooses among."""
+        return self._walk(identity, fingerprint, max_tokens=max_tokens, deep=deep, first=False)
+
+    def _walk(
+        self,
+        identity: SnapshotIdentity,
+        fingerprint: RuntimeFingerprint,
+        *,
+        max_tokens: int | None,
+        deep: bool,
+        first: bool,
+    ) -> tuple[list[Candidate], list[Rejection]]:
+        """The generations newest first through the checks; stops at the first that passes when `first`."""
         self.table.saw_runtime(identity.server, fingerprint.digest)
         manifest = self.table.get(identity.key)
+        found: list[Candidate] = []
         rejections: list[Rejection] = []
         if manifest is None:
-            return None, rejections
+            return found, rejections
         known_format = self.table.observed_format_version(identity.server)
         for gen, rec in manifest.ordered_generations():
             rejection = self._check(rec, gen, fingerprint, known_format, max_tokens)
@@ -124,18 +150,23 @@ class CandidateFinder:
                     self.layout, manifest, gen, rec, deep=deep, verified=self.verified
                 )
             if rejection is None:
-                return Candidate(
-                    identity=identity,
-                    generation=gen,
-                    record=rec,
-                    path=self.layout.path_for(identity.server, rec.filename),
-                    fallback=bool(rejections) or gen != manifest.current,
-                    file_id=verified,
-                ), rejections
+                found.append(
+                    Candidate(
+                        identity=identity,
+                        generation=gen,
+                        record=rec,
+                        path=self.layout.path_for(identity.server, rec.filename),
+                        fallback=bool(rejections) or gen != manifest.current,
+                        file_id=verified,
+                    )
+                )
+                if first:
+                    break
+                continue
             rejections.append(rejection)
             if rejection.persistent:
                 self.table.mark_invalid(manifest.key, gen, rejection.reason)
-        return None, rejections
+        return found, rejections
 
     def check_before_restore(self, candidate: Candidate, theirs: str | None = None) -> None:
         """Right before llama-server is asked to read a candidate: the directory's configured path (and

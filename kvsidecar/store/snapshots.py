@@ -259,6 +259,18 @@ class SnapshotStore:
         deep = self.verify_checksum if deep is None else deep
         return self.candidates.find(identity, fingerprint, max_tokens=max_tokens, deep=deep)
 
+    def find_points(
+        self,
+        identity: SnapshotIdentity,
+        fingerprint: RuntimeFingerprint,
+        *,
+        max_tokens: int | None = None,
+        deep: bool | None = None,
+    ) -> tuple[list[Candidate], list[Rejection]]:
+        """Every restorable generation of `identity`, newest first (the checks of `find_restorable`)."""
+        deep = self.verify_checksum if deep is None else deep
+        return self.candidates.find_all(identity, fingerprint, max_tokens=max_tokens, deep=deep)
+
     def point_tokens(self, candidate: Candidate) -> tuple[int, ...] | None:
         """The tokens `candidate`'s file holds, from its header (state_header.py); None when they cannot be
         read (the planner then knows nothing of them). Opened as a plain regular file of ours only."""

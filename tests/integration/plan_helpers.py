@@ -96,7 +96,10 @@ class Driver:
         convo.append({"role": "assistant", "content": data["choices"][0]["message"].get("content") or "."})
         timings = data["timings"]
         kv = {k.lower(): v for k, v in r.headers.items() if k.lower().startswith("x-kv-")}
-        return Turn(session, t, int(timings["prompt_n"]), int(timings["cache_n"]), kv)
+        # a save point taken at the prompt's end first computed the prompt but its last token; the request's own
+        # timings count only that one and reuse the rest (X-KV-Prompt-Point-Computed says what was computed)
+        point = int(kv.get("x-kv-prompt-point-computed", 0))
+        return Turn(session, t, int(timings["prompt_n"]) + point, int(timings["cache_n"]) - point, kv)
 
 
 def run_script(

@@ -524,6 +524,7 @@ async def test_unreadable_manifest_while_finding_falls_back_cold(h: Harness) -> 
         raise MetadataIO("manifest unreadable: I/O error")
 
     h.coordinator.store.find_restorable = unreadable  # type: ignore[method-assign]
+    h.coordinator.store.find_points = unreadable  # type: ignore[method-assign]
     r, _, prompt_n, cache_n = await h.turn("A")
     assert r.outcome is Outcome.COLD and cache_n == 0 and prompt_n > 0
 

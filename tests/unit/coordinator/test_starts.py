@@ -170,3 +170,47 @@ async def test_a_switch_hands_a_non_plain_sessions_kv_to_the_ram_cache(
         assert ("prompt" in calls) is hybrid, calls
     finally:
         await h.coordinator.aclose()
+
+
+async def test_hybrid_restores_the_older_point_that_the_prompt_extends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both generations are points: A's older one (turn 1) is strictly extended by a prompt that diverges from
+    its newer one (turn 2's tail re-rendered), so the older one is restored, proven, and not as a fallback."""
+    _hybrid(monkeypatch)
+    h = await start_harness(tmp_path)
+    try:
+        a1 = conversation("A", 2)
+        await _run(h, "A", a1)
+        await _run(h, "B", conversation("B", 2))  # A's first point saved (a1)
+        a2 = a1 + [11] * 40
+        r = await _run(h, "A", a2, a2)
+        assert r.outcome is Outcome.RESTORED
+        await _run(h, "B", conversation("B", 3))  # A's second point saved (a2), the first kept
+        h.calls()
+        rerendered = a1 + [12] * 40 + [13] * 20  # diverges inside a2's tail, extends a1
+        r = await _run(h, "A", rerendered, rerendered)
+        assert r.outcome is Outcome.RESTORED and r.proved, r
+        assert r.plan_reason == plan.R_PROVEN
+        assert r.expected_reuse == len(a1)
+        assert "restore" in h.calls()
+        assert not (r.reason or "").startswith("previous generation"), r.reason
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_a_plain_prompt_restores_the_point_it_shares_most_with(tmp_path: Path) -> None:
+    """Plain attention reuses any common prefix: of two points, the one sharing more tokens is restored."""
+    h = await start_harness(tmp_path)
+    try:
+        a1 = conversation("A", 2)
+        await _run(h, "A", a1)
+        await _run(h, "B", conversation("B", 2))
+        a2 = a1[:60] + [11] * 100  # a newer point that shares only 60 tokens with what comes next
+        await _run(h, "A", a2, a2)
+        await _run(h, "B", conversation("B", 3))
+        nxt = a1 + [14] * 10
+        r = await _run(h, "A", nxt, nxt)
+        assert r.outcome is Outcome.RESTORED and r.expected_reuse == len(a1), r
+    finally:
+        await h.coordinator.aclose()

@@ -18,10 +18,11 @@ import openai
 import pytest
 
 from kvsidecar.backend.fake import FakeKvBackend
+from kvsidecar.coordinator.savepoints import PointTaken
 from kvsidecar.coordinator.state import AcquireResult, Outcome
 from kvsidecar.fingerprint import reasons as fingerprint
 from kvsidecar.proxy import client_content, client_ids
-from kvsidecar.proxy.answers import CLIENTS, OTHER, REASONS, client_of, reason_token
+from kvsidecar.proxy.answers import CLIENTS, OTHER, REASONS, client_of, reason_token, with_point
 from tests.unit.client_fixtures import Recorded, load, posts
 from tests.unit.origin import Origin, OriginConn, Request, keep_alive_origin
 from tests.unit.proxy.test_app import TOKEN, Rig, rig
@@ -453,3 +454,22 @@ def test_a_signal_any_client_may_send_names_no_client_without_the_clients_own_ma
         assert client_of(client_content.SIGNAL, [], hostile) == "unknown"
     assert client_of(None, [], None) == client_of("none", [], None) == "unknown"
     assert client_of(client_ids.SIG_PROMPT_CACHE_KEY, [], None) == "unknown"
+
+
+def test_a_prompt_point_is_told_in_the_answers_headers() -> None:
+    """What a prompt point did is in the answer (its prefill is not in the request's own timings)."""
+    base = [(b"x-kv-outcome", b"cold")]
+    assert with_point(base, None) == base
+    saved = PointTaken(tokens=1494, computed=170, saved=True, prefill_ms=21.64, save_ms=13.05)
+    assert with_point(base, saved) == [
+        *base,
+        (b"x-kv-prompt-point-tokens", b"1494"),
+        (b"x-kv-prompt-point-computed", b"170"),
+        (b"x-kv-prompt-point-ms", b"21.6;13.1"),
+        (b"x-kv-prompt-point", b"saved"),
+    ]
+    failed = PointTaken(
+        tokens=9, computed=None, saved=False, prefill_ms=1.0, save_ms=0.0, error="KV_BACKEND_UNAVAILABLE"
+    )
+    got = dict(with_point(None, failed) or [])
+    assert got[b"x-kv-prompt-point"] == b"KV_BACKEND_UNAVAILABLE" and b"x-kv-prompt-point-computed" not in got

@@ -8,6 +8,7 @@ import pytest
 
 from kvsidecar.coordinator.state import Outcome
 from kvsidecar.store import integrity
+from kvsidecar.store.naming import SnapshotIdentity
 from tests.unit.coordinator_helpers import Harness
 
 
@@ -77,3 +78,31 @@ async def test_a_file_written_while_it_was_hashed_is_never_remembered_as_verifie
     monkeypatch.setattr(integrity, "checksum_from_fd", real)
     assert r.outcome is not Outcome.RESTORED
     assert all(name != path.name for _server, name in store.verified._known)
+
+
+async def test_every_valid_generation_is_a_point_newest_first(h: Harness) -> None:
+    """`find_points` offers both generations that pass the checks, newest first; one whose file is corrupt is
+    passed over (and marked invalid), the other still offered."""
+    await h.turn("A")
+    await h.turn("B")  # A: one generation
+    await h.turn("A")
+    await h.turn("B")  # A: two generations
+    store = h.coordinator.store
+    m = next(m for m in store.all() if m.session_id == "A")
+    srv = h.coordinator.servers["local"]
+    assert srv.fingerprint is not None
+    assert m.scope is not None
+    identity = SnapshotIdentity(
+        server=m.server, provider=m.provider, model=m.model, session_id="A", scope=m.scope
+    )
+    found, rejections = store.find_points(identity, srv.fingerprint)
+    assert [c.generation for c in found] == [g for g, _ in m.ordered_generations()]
+    assert len(found) == 2 and rejections == []
+    older = found[1]
+    store.verified._known.clear()  # hash again
+    h.fake.corrupt_snapshot(older.path.name)  # same size, one byte flipped
+    found2, rejections2 = store.find_points(identity, srv.fingerprint)
+    assert [c.generation for c in found2] == [found[0].generation]
+    assert [r.generation for r in rejections2] == [older.generation]
+    first, _ = store.find_restorable(identity, srv.fingerprint)
+    assert first is not None and first.generation == found[0].generation
