@@ -147,7 +147,7 @@ async def test_file_deleted_between_check_and_restore(start_llama: StartServer, 
         await h.turn("A")
         await h.turn("B")
         store = h.coordinator.store
-        real_find = store.find_restorable
+        real_find = store.find_points  # every generation the start plan may restore
 
         def find_then_lose(
             identity: SnapshotIdentity,
@@ -155,13 +155,13 @@ async def test_file_deleted_between_check_and_restore(start_llama: StartServer, 
             *,
             max_tokens: int | None = None,
             deep: bool | None = None,
-        ) -> tuple[Candidate | None, list[Rejection]]:
-            cand, rej = real_find(identity, fingerprint, max_tokens=max_tokens, deep=deep)
-            if cand is not None:
+        ) -> tuple[list[Candidate], list[Rejection]]:
+            cands, rej = real_find(identity, fingerprint, max_tokens=max_tokens, deep=deep)
+            for cand in cands:
                 cand.path.unlink()  # an operator's rm lands right after our checks
-            return cand, rej
+            return cands, rej
 
-        store.find_restorable = find_then_lose  # type: ignore[method-assign]
+        store.find_points = find_then_lose  # type: ignore[method-assign]
         h.calls()
         r, _, pn, cn = await h.turn("A")
         # The name is checked again right before llama-server is asked (issue 26 B): the deletion is seen
