@@ -66,6 +66,25 @@ def vocab_dir(binary: Path) -> Path:
     return binary.parent.parent / "models"
 
 
+def serving_args(port: int, ctx_size: int, parallel: int, threads: int) -> list[str]:
+    """The arguments every llama-server the tests start shares (a plain server, a router and its children):
+    loopback on `port`, the context and slots, the slots API on, no web UI."""
+    return [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--ctx-size",
+        str(ctx_size),
+        "--parallel",
+        str(parallel),
+        "--threads",
+        str(threads),
+        "--slots",
+        "--no-webui",
+    ]
+
+
 @dataclass
 class LlamaServer:
     binary: Path
@@ -103,18 +122,7 @@ class LlamaServer:
             *([self.subcommand] if self.subcommand else []),
             "-m",
             str(self.model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--ctx-size",
-            str(self.ctx_size),
-            "--parallel",
-            str(self.parallel),
-            "--threads",
-            str(self.threads),
-            "--slots",
-            "--no-webui",
+            *serving_args(self.port, self.ctx_size, self.parallel, self.threads),
         ]
         if self.slot_save_path is not None:
             cmd += ["--slot-save-path", str(self.slot_save_path)]

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import psutil
 
-from kvsidecar.testing.llama import free_port
+from kvsidecar.testing.llama import free_port, serving_args
 from kvsidecar.testing.models import ModelShape, generate_llama_model
 from kvsidecar.testing.poll import eventually
 
@@ -53,18 +53,7 @@ class LlamaRouter:
             str(self.models_dir),
             "--models-max",
             str(self.models_max),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--ctx-size",
-            str(self.ctx_size),
-            "--parallel",
-            str(self.parallel),
-            "--threads",
-            str(self.threads),
-            "--slots",
-            "--no-webui",
+            *serving_args(self.port, self.ctx_size, self.parallel, self.threads),
             "--slot-save-path",
             str(self.slot_save_path),
             *self.extra_args,
