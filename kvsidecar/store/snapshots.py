@@ -36,7 +36,7 @@ from kvsidecar.errors import DirMoved, Fenced, KvError, MetadataIO
 from kvsidecar.files.confined import DirAnchor
 from kvsidecar.fingerprint.records import FingerprintRecords
 from kvsidecar.fingerprint.runtime import RuntimeFingerprint
-from kvsidecar.store.candidates import Candidate, CandidateFinder, Rejection, VerifiedFiles
+from kvsidecar.store.candidates import Candidate, CandidateFinder, Rejection, VerifiedFiles, file_id
 from kvsidecar.store.fence import FenceFiles
 from kvsidecar.store.layout import StoreLayout
 from kvsidecar.store.manifest import Manifest
@@ -273,12 +273,16 @@ class SnapshotStore:
 
     def point_tokens(self, candidate: Candidate) -> tuple[int, ...] | None:
         """The tokens `candidate`'s file holds, from its header (state_header.py); None when they cannot be
-        read (the planner then knows nothing of them). Opened as a plain regular file of ours only."""
+        read (the planner then knows nothing of them). Opened as a plain regular file of ours only, and
+        only the very file the candidate's checks verified (its device, inode, size and times): a file
+        replaced since proves nothing of what will be restored."""
         d = self.layout.snap.get(candidate.identity.server)
-        if d is None:
+        if d is None or candidate.file_id is None:
             return None
         try:
             with d.open_file(candidate.record.filename) as (fd, st):
+                if file_id(st) != candidate.file_id:
+                    return None
                 return tokens_of(fd, st.st_size)
         except (KvError, OSError, StateFormatError):
             return None

@@ -261,3 +261,32 @@ def test_recheck_file_marks_deleted_generation(tmp_path: Path) -> None:
     m = store.get(ID.key)
     assert m is not None and m.generations["a"].invalid_reason == FILE_MISSING
     assert store.recheck_file("local", "unrelated.bin") is None
+
+
+def _save_tokens(store: SnapshotStore, ids: list[int]) -> Manifest:
+    plan = store.begin_save(ID)
+    data = struct.pack(f"<{3 + len(ids)}i", MAGIC, 4, len(ids), *ids) + b"\x00" * 64
+    plan.path.write_bytes(data)
+    result = SaveResult(
+        slot_id=0,
+        filename=plan.filename,
+        tokens=len(ids),
+        bytes_written=len(data),
+        server_ms=1.0,
+        measured_ms=1.0,
+    )
+    return store.commit_save(plan, result, fingerprint=FP, revision=1)
+
+
+def test_point_tokens_are_read_from_the_verified_file_only(tmp_path: Path) -> None:
+    """The planner's proof (the snapshot's tokens) comes from the very file the candidate's checks verified:
+    a file replaced since (same name, same size, other tokens) proves nothing and reads as unknown."""
+    store = make_store(tmp_path)
+    _save_tokens(store, [7, 8, 9, 10])
+    candidate, _ = store.find_restorable(ID, FP)
+    assert candidate is not None
+    assert store.point_tokens(candidate) == (7, 8, 9, 10)
+    other = tmp_path / "other.bin"
+    other.write_bytes(struct.pack("<7i", MAGIC, 4, 4, 1, 2, 3, 4) + b"\x00" * 64)
+    other.replace(candidate.path)  # another inode under the verified name
+    assert store.point_tokens(candidate) is None
