@@ -57,7 +57,7 @@ from kvsidecar.fingerprint.identity import (
     RuntimeKey,
 )
 from kvsidecar.fingerprint.llama_process import ProcessInfo, load_identity, model_mappings
-from kvsidecar.fingerprint.memory_class import UNKNOWN, MemoryClass, loaded_model_class
+from kvsidecar.fingerprint.memory_class import UNKNOWN, MemoryClass
 from kvsidecar.fingerprint.model_files import ModelProof, model_proof
 from kvsidecar.fingerprint.runtime import RuntimeFingerprint, build_fingerprint
 from kvsidecar.fingerprint.server_memory import SWA_FULL_FIX, ServerMemory, read_server_memory
@@ -228,12 +228,12 @@ class ServerRuntime:
                 self._watch.close()
             self._watch = _ProcessWatch(process)
         if result.rebuild:
-            base, memory = await asyncio.to_thread(
-                _build, caps, process, self.config.runtime_key, self.digests
+            base, read = await asyncio.to_thread(
+                _build, caps, process, self.config.runtime_key, self.digests, self.memory_reader
             )
-            self.identity.fingerprinted(base, memory)
-            read = await asyncio.to_thread(self.memory_reader, caps, process)
             if self._still(caps, process):  # not a look at an instance another look has replaced
+                # the class is read once: the identity, the planner, status and doctor all take this read
+                self.identity.fingerprinted(base, read.memory if process is not None else None)
                 self._learned(read)
         self._sync_slots(caps.total_slots)
         if not was_available:
@@ -364,11 +364,12 @@ def _build(
     process: ProcessInfo | None,
     runtime_key: str | None,
     digests: FileDigestCache | None,
-) -> tuple[RuntimeFingerprint, MemoryClass | None]:
-    """The fingerprint of what a probe found (without the canary) and its model's memory class: reads whole
-    files the first time they are seen (call off the loop)."""
+    memory_reader: MemoryReader,
+) -> tuple[RuntimeFingerprint, ServerMemory]:
+    """The fingerprint of what a probe found (without the canary) and its model's memory (class, settings,
+    costs): reads whole files the first time they are seen (call off the loop)."""
     base = build_fingerprint(caps=caps, process=process, runtime_key=runtime_key, digests=digests)
-    return base, loaded_model_class(caps.model_path, process)
+    return base, memory_reader(caps, process)
 
 
 class _ProcessWatch:

@@ -3,12 +3,12 @@ planner remembers between acquires: each server's memory class, the llama-server
 each session last ran on, and the reuse each restore was planned to give (checked at release).
 
 `Planner.plan()` reads: the model's memory class (fingerprint/memory_class.py, from the model files of the
-process and its settings; cached per fingerprint), the prompt's tokens (the proxy's, or the hook API's
-`prompt`), the slot (its scope, tokens, whether it is empty), the session's restorable points (every
-generation that passes the candidate checks, newest first, each with its tokens from the file's header), a
-donor's point and tokens, the RAM cache's setting, the cost figures and the flags; then asks `plan_start` and
-returns its answer. It writes nothing but its own three maps; the executors (restore.py, coldstart.py,
-carry.py) act on the plan.
+process and its settings, read once per instance with its fingerprint by `ServerRuntime.refresh`), the
+prompt's tokens (the proxy's, or the hook API's `prompt`), the slot (its scope, tokens, whether it is empty),
+the session's restorable points (every generation that passes the candidate checks, newest first, each with
+its tokens from the file's header), a donor's point and tokens, the RAM cache's setting, the cost figures and
+the flags; then asks `plan_start` and returns its answer. It writes nothing but its own three maps; the
+executors (restore.py, coldstart.py, carry.py) act on the plan.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 from kvsidecar.backend.base import PromptTokenizer
@@ -41,9 +40,7 @@ from kvsidecar.coordinator.scope import ram_lookups
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.state import SessionRuntime, Slot
 from kvsidecar.errors import KvError
-from kvsidecar.fingerprint.memory_class import PLAIN, UNKNOWN, MemoryClass, model_class
-from kvsidecar.fingerprint.model_files import model_paths
-from kvsidecar.fingerprint.process_files import ProcessFiles
+from kvsidecar.fingerprint.memory_class import PLAIN, UNKNOWN, MemoryClass
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.store.snapshots import Candidate, Rejection, SnapshotStore
 
@@ -61,18 +58,18 @@ class Own:
 
 
 def memory_of(srv: ServerRuntime) -> MemoryClass:
-    """The memory class of the model `srv` runs, read from its files as the process sees them (unknown for a
-    server whose process or model path is not seen: a remote one)."""
-    process, caps = srv.process, srv.caps
+    """The memory class of the model `srv` runs, as its identity read it with the fingerprint of this very
+    instance (`ServerRuntime.refresh`: one read feeds the identity, status, doctor and the plan); unknown
+    (the strict rule) while it is not read, or for a server whose process is not seen here (a remote one)."""
+    caps = srv.caps
     if caps is not None and caps.kind == FAKE_KIND:  # the fake engine reuses any common prefix: plain
         return MemoryClass(kind=PLAIN, arch="fake", n_layer=0, attention_layers=0, why="the fake engine")
-    if process is None or caps is None or not caps.model_path:
-        return MemoryClass(kind=UNKNOWN, arch="", n_layer=0, attention_layers=0, why="process not seen")
-    files = ProcessFiles(None, process)
-    local = [files.local(p) for p in model_paths(caps.model_path)]
-    if not local or None in local:
-        return MemoryClass(kind=UNKNOWN, arch="", n_layer=0, attention_layers=0, why="model path unresolved")
-    return model_class([Path(p) for p in local if p is not None], process.settings)
+    known = srv.memory_class
+    if known is None:
+        return MemoryClass(
+            kind=UNKNOWN, arch="", n_layer=0, attention_layers=0, why="not read (process not seen)"
+        )
+    return known
 
 
 def ram_cache_of(srv: ServerRuntime) -> str:
@@ -89,31 +86,26 @@ class Planner:
         self.store = store
         self.guard = guard
         self.costs = costs
-        self._memory: dict[str, tuple[str, MemoryClass]] = {}  # server -> (fingerprint digest, class)
+        self._memory: dict[str, MemoryClass] = {}  # server -> the class its last plan used
         self._ran: OrderedDict[str, tuple[str, int]] = OrderedDict()  # key -> (server, epoch)
         self._expected: OrderedDict[str, int] = OrderedDict()  # key -> tokens its restore should give
 
     async def memory(self, srv: ServerRuntime) -> MemoryClass:
-        digest = srv.fingerprint.digest if srv.fingerprint is not None else ""
-        known = self._memory.get(srv.name)
-        if known is not None and known[0] == digest and digest:
-            return known[1]
-        found = await asyncio.to_thread(memory_of, srv)
-        self._memory[srv.name] = (digest, found)
+        found = memory_of(srv)
+        self._memory[srv.name] = found
         return found
 
     def memory_kind(self, srv: ServerRuntime) -> str:
-        """The class last read for `srv` (unknown before its first plan)."""
+        """The class last planned with for `srv` (unknown before its first plan)."""
         known = self._memory.get(srv.name)
-        return known[1].kind if known is not None else UNKNOWN
+        return known.kind if known is not None else UNKNOWN
 
     def resident_point(
         self, srv: ServerRuntime, prompt: PromptTokens | None, *, restore_enabled: bool, oversubscribed: bool
     ) -> bool:
         """Does a resident session's turn take a save point at its prompt's end? plan.py's rule, with the
         class last read for `srv` (no I/O: a resident acquire makes none)."""
-        known = self._memory.get(srv.name)
-        memory = known[1] if known is not None else None
+        memory = self._memory.get(srv.name)
         facts = StartFacts(
             scope="",
             model=ModelFacts(kind=memory.kind, swa_full=memory.swa_full) if memory else ModelFacts(),

@@ -38,10 +38,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from kvsidecar.fingerprint.gguf_meta import GgufError, GgufFile, read_gguf
-from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.fingerprint.llama_settings import RuntimeSettings
-from kvsidecar.fingerprint.model_files import model_paths
-from kvsidecar.fingerprint.process_files import ProcessFiles
 
 PLAIN, SWA, HYBRID, RECURRENT, UNKNOWN = "plain", "swa", "hybrid", "recurrent", "unknown"
 
@@ -320,17 +317,3 @@ def model_class(paths: Sequence[Path], settings: RuntimeSettings | None = None) 
     if not paths:
         return MemoryClass(kind=UNKNOWN, arch="", n_layer=0, attention_layers=0, why="no model file")
     return apply_settings(classify(GgufFile(meta, frozenset(), tensors)), settings)
-
-
-def loaded_model_class(model_path: str | None, process: ProcessInfo | None) -> MemoryClass | None:
-    """The memory class of the model a local llama-server loaded, read through the process' own view of
-    its paths (every shard) and under its settings. None for a server whose process is not seen here (a
-    file at the same path on this host may be another model); `unknown` when a file cannot be read."""
-    if process is None or not model_path:
-        return None
-    files = ProcessFiles(None, process)
-    local = [files.local(p) for p in model_paths(model_path)]
-    if any(p is None for p in local):
-        why = "the model's path cannot be resolved as llama-server sees it"
-        return MemoryClass(kind=UNKNOWN, arch="", n_layer=0, attention_layers=0, why=why)
-    return model_class([Path(p) for p in local if p is not None], process.settings)
