@@ -4,6 +4,7 @@ and release, the calls that run around every model call.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from starlette.responses import Response
@@ -28,6 +29,7 @@ def hook_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
         Route(method="GET", path="/healthz", handler=healthz, public=True, returns=api_models.Health),
         *_acquire_routes(coordinator, fleet),
         _release_route(coordinator, fleet),
+        _prompt_point_route(coordinator),
     ]
 
 
@@ -112,4 +114,36 @@ def _release_route(coordinator: Coordinator, fleet: FleetHook) -> Route:
         api_models.ReleaseResponse,
         (LeaseNotFound,),
         body=ReleaseBody,
+    )
+
+
+def _prompt_point_route(coordinator: Coordinator) -> Route:
+    async def prompt_point(call: Call) -> dict[str, Any]:
+        """Take the save point the lease's start plan asked for (`prompt_point` in the acquire's answer):
+        a prefill of the prompt but its last token on the lease's slot, then a save, as the proxy does before
+        it forwards. The hook client calls it between the acquire and its model call; never fails that call
+        (a failed prefill or save is in the answer)."""
+        lease_id = call.params["lease_id"]
+        if coordinator.leases.get(lease_id) is None:
+            raise LeaseNotFound(f"lease {lease_id[:8]}... is not open on this host")
+        taken = await coordinator.savepoints.take(lease_id)
+        if taken is None:
+            return {
+                "taken": False,
+                "tokens": None,
+                "computed": None,
+                "saved": False,
+                "prefill_ms": None,
+                "save_ms": None,
+                "error": None,
+            }
+        return {"taken": True, **asdict(taken)}
+
+    return json_route(
+        "POST",
+        "/v1/leases/{lease_id}/prompt-point",
+        prompt_point,
+        api_models.PromptPointResponse,
+        (LeaseNotFound,),
+        waits=True,
     )

@@ -84,6 +84,22 @@ class ReleaseResponse(BaseModel):
     host: Absent[str]
 
 
+class PromptPointResponse(BaseModel):
+    """What taking the lease's save point at the prompt's end did (coordinator/savepoints.py)."""
+
+    taken: bool = Field(
+        description="false: the plan asked for none, or it was taken already, or the slot moved on"
+    )
+    tokens: int | None = Field(
+        description="the tokens the slot held after the prefill (the prompt but its last)"
+    )
+    computed: int | None = Field(description="prompt tokens the prefill computed")
+    saved: bool = Field(description="the point was committed as the session's newest generation")
+    prefill_ms: float | None
+    save_ms: float | None
+    error: str | None = Field(description="why no point was saved (a stable code), null when saved")
+
+
 class EventResponse(BaseModel):
     type: EventType
     saved: int

@@ -85,12 +85,23 @@ class AsyncKvSidecar:
         purpose: str | None = None,
         seq: int | None = None,
         prefix_from: str | None = None,
+        prompt: str | list[int] | dict[str, Any] | None = None,
     ) -> Lease:
         return await self._send(
             wire.acquire_lease(
-                session_id, provider=provider, model=model, purpose=purpose, seq=seq, prefix_from=prefix_from
+                session_id,
+                provider=provider,
+                model=model,
+                purpose=purpose,
+                seq=seq,
+                prefix_from=prefix_from,
+                prompt=prompt,
             )
         )
+
+    async def prompt_point(self, lease_id: str) -> dict[str, Any]:
+        """Take the lease's save point at the prompt's end (`Lease.prompt_point`): docs/API.md."""
+        return await self._send(wire.prompt_point(lease_id))
 
     async def release(
         self,
@@ -121,13 +132,24 @@ class AsyncKvSidecar:
         purpose: str | None = None,
         seq: int | None = None,
         prefix_from: str | None = None,
+        prompt: str | list[int] | dict[str, Any] | None = None,
     ) -> AsyncIterator[Lease]:
-        """A lease for the block: released "ok" with `lease.report()`'s numbers, or "aborted" if it raised."""
+        """A lease for the block: released "ok" with `lease.report()`'s numbers, or "aborted" if it raised.
+        With `prompt`, the save point the plan asks for (`lease.prompt_point`) is taken before the block."""
         lease = await self.acquire_lease(
-            session_id, provider=provider, model=model, purpose=purpose, seq=seq, prefix_from=prefix_from
+            session_id,
+            provider=provider,
+            model=model,
+            purpose=purpose,
+            seq=seq,
+            prefix_from=prefix_from,
+            prompt=prompt,
         )
         completed = False
         try:
+            if lease.prompt_point and lease.lease_id is not None:
+                with contextlib.suppress(SidecarError):  # a point not taken costs warmth, never the call
+                    await self.prompt_point(lease.lease_id)
             yield lease
             completed = True
         finally:

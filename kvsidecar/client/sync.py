@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import httpx
 
 from kvsidecar.client import wire
-from kvsidecar.client.wire import Lease
+from kvsidecar.client.wire import Lease, SidecarError
 
 T = TypeVar("T")
 
@@ -73,12 +73,24 @@ class KvSidecar:
         purpose: str | None = None,
         seq: int | None = None,
         prefix_from: str | None = None,
+        prompt: str | list[int] | dict[str, Any] | None = None,
     ) -> Lease:
         return self._send(
             wire.acquire_lease(
-                session_id, provider=provider, model=model, purpose=purpose, seq=seq, prefix_from=prefix_from
+                session_id,
+                provider=provider,
+                model=model,
+                purpose=purpose,
+                seq=seq,
+                prefix_from=prefix_from,
+                prompt=prompt,
             )
         )
+
+    def prompt_point(self, lease_id: str) -> dict[str, Any]:
+        """Take the lease's save point at the prompt's end (when `Lease.prompt_point` says the plan asks for
+        one), between the acquire and the model call: docs/API.md."""
+        return self._send(wire.prompt_point(lease_id))
 
     def release(
         self,
@@ -109,13 +121,24 @@ class KvSidecar:
         purpose: str | None = None,
         seq: int | None = None,
         prefix_from: str | None = None,
+        prompt: str | list[int] | dict[str, Any] | None = None,
     ) -> Iterator[Lease]:
-        """A lease for the block: released "ok" with `lease.report()`'s numbers, or "aborted" if it raised."""
+        """A lease for the block: released "ok" with `lease.report()`'s numbers, or "aborted" if it raised.
+        With `prompt`, the save point the plan asks for (`lease.prompt_point`) is taken before the block."""
         lease = self.acquire_lease(
-            session_id, provider=provider, model=model, purpose=purpose, seq=seq, prefix_from=prefix_from
+            session_id,
+            provider=provider,
+            model=model,
+            purpose=purpose,
+            seq=seq,
+            prefix_from=prefix_from,
+            prompt=prompt,
         )
         completed = False
         try:
+            if lease.prompt_point and lease.lease_id is not None:
+                with contextlib.suppress(SidecarError):  # a point not taken costs warmth, never the call
+                    self.prompt_point(lease.lease_id)
             yield lease
             completed = True
         finally:

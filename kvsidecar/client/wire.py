@@ -46,6 +46,7 @@ class Lease:
     reason: str | None = None
     shared_tokens: int | None = None  # issue 28: tokens of a prefix_from donor's snapshot restored
     actions: list[str] = field(default_factory=list)
+    prompt_point: bool = False  # the plan asks for a save point at the prompt's end: call `prompt_point`
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     prompt_ms: float | None = None
@@ -165,10 +166,13 @@ def acquire_lease(
     purpose: str | None,
     seq: int | None,
     prefix_from: str | None = None,
+    prompt: str | list[int] | dict[str, Any] | None = None,
 ) -> Call[Lease]:
-    """`prefix_from` (issue 28): a session whose newest snapshot a cold start may begin from."""
+    """`prefix_from` (issue 28): a session whose newest snapshot a cold start may begin from. `prompt`: the
+    model call's prompt (a text, token ids, or a chat-completions body), what the session's start is
+    planned from."""
     body = {"provider": provider, "model": model} | _optional(
-        purpose=purpose, seq=seq, prefix_from=prefix_from
+        purpose=purpose, seq=seq, prefix_from=prefix_from, prompt=prompt
     )
     path = "/v1/acquire" if session_id is None else _session_path(session_id, "acquire")
     return Call("POST", path, body, _lease)
@@ -187,6 +191,12 @@ def release(
     )
     lease = _nonempty(lease_id, status=404, code="KV_LEASE_NOT_FOUND", what="the lease id")
     return Call("POST", f"/v1/leases/{segment(lease)}/release", body, _object)
+
+
+def prompt_point(lease_id: str) -> Call[dict[str, Any]]:
+    """Take the save point the lease's plan asked for (`Lease.prompt_point`), before the model call."""
+    lease = _nonempty(lease_id, status=404, code="KV_LEASE_NOT_FOUND", what="the lease id")
+    return Call("POST", f"/v1/leases/{segment(lease)}/prompt-point", None, _object)
 
 
 def release_of(lease: Lease, *, completed: bool) -> Call[dict[str, Any]] | None:

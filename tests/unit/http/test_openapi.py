@@ -286,6 +286,8 @@ async def test_every_route_used_as_meant_answers_its_declared_200(h: Harness) ->
     acquire, release = "/v1/sessions/{session_id}/acquire", "/v1/leases/{lease_id}/release"
     async with api.client() as c:
         lease = (await use("POST", acquire)).json()
+        point = await use("POST", "/v1/leases/{lease_id}/prompt-point", lease=lease["lease_id"])
+        assert point.json()["taken"] is False  # no prompt sent: no point asked for
         h.fake.infer(lease["slot_id"], conversation("A", 1))
         await use("POST", release, lease=lease["lease_id"], json={"status": "ok", "prompt_tokens": 50})
         assert (await use("POST", "/v1/sessions/{session_id}/events")).json()["saved"] == 1  # flush
