@@ -84,8 +84,11 @@ async def _doctor(coordinator: Coordinator, *, deep: bool) -> dict[str, Any]:
         async def hold(fn: Callable[[int], Awaitable[Any]], name: str = name) -> Any:
             return await coordinator.with_slot(name, fn)
 
+        config = coordinator.config
+        if name not in config.servers:  # a router's model discovered: checked with its own entry's settings
+            config = config.model_copy(update={"servers": {**config.servers, name: srv.config}})
         doc = Doctor(
-            config=coordinator.config,
+            config=config,
             server=name,
             backend=srv.backend,
             hold_slot=hold,

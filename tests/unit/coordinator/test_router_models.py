@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kvsidecar.api.admin import _doctor
 from kvsidecar.backend.base import KvBackend
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.backend.llama_router import RouterModel
@@ -106,6 +107,8 @@ async def test_each_model_listed_is_a_server_of_its_own_in_the_entrys_directory(
         assert status["router_discovery"]["router"]["models"] == {"alpha": "router.alpha"}
         assert "router_models" in status  # the swaps' section (RouterModelBackend runtimes only)
         assert "router.alpha" in [s["name"] for s in status["servers"]]
+        doctor = await _doctor(coord, deep=False)  # checked with the entry's settings, never a KeyError
+        assert [r["server"] for r in doctor["servers"]] == ["pinned", "router.alpha"]
     finally:
         await coord.aclose()
 
