@@ -23,7 +23,7 @@ from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.coordinator.router_models import derived_name
 from kvsidecar.coordinator.state import Outcome
 from kvsidecar.errors import BackendUnavailable
-from kvsidecar.store.snapshots import SnapshotStore
+from kvsidecar.store.snapshots import SIZE_MISMATCH, SnapshotStore
 from tests.unit.coordinator_helpers import conversation, make_config
 
 SAFE_NAME = re.compile(r"\Arouter\.[A-Za-z0-9._-]{1,64}\Z")
@@ -186,5 +186,26 @@ async def test_a_router_that_does_not_answer_adds_nothing_and_is_said(tmp_path: 
         assert coord.status()["router_discovery"]["router"]["last_error"] == "router down"
         router.down = False
         assert [s.name for s in await coord.router_models.sync("router")] == ["router.alpha"]
+    finally:
+        await coord.aclose()
+
+
+async def test_a_discovered_models_snapshot_changed_on_disk_is_seen_in_the_entrys_directory(
+    tmp_path: Path,
+) -> None:
+    """The watcher watches the entry's directory (under the entry's name): a discovered model's file changed
+    there is checked against its manifest and invalidated, as a configured server's would be."""
+    router = Router(tmp_path / "snaps", ["alpha"])
+    coord = await coordinator(tmp_path, router)
+    try:
+        await turn(coord, router, "s1", "alpha", 1)
+        assert (await coord.save("s1"))["saved"] >= 1
+        (manifest,) = coord.store.all()
+        assert manifest.server == "router.alpha"
+        rec = manifest.generation(manifest.current)
+        assert rec is not None
+        with (tmp_path / "snaps" / rec.filename).open("ab") as f:
+            f.write(b"tampered")
+        assert coord.store.recheck_file("router", rec.filename) == SIZE_MISMATCH
     finally:
         await coord.aclose()
