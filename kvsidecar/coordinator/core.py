@@ -120,8 +120,7 @@ class Coordinator:
         self._compose_persistence(gate=gate, after_save=after_save, acquire_timeout_s=acquire_timeout_s)
         self._compose_requests(acquire_timeout_s)
         self.pending_restart: list[str] = pending_restart if pending_restart is not None else []
-        # the parts of status() other packages own: fleet mode's (given here), the proxy's (issue 28; the
-        # proxy, built on this coordinator, adds it)
+        # the parts of status() other packages own: fleet mode's (given here), the proxy's (it adds its own)
         self.sections = views.StatusSections()
         if fleet_view is not None:
             self.sections.add("fleet", fleet_view)
@@ -228,6 +227,7 @@ class Coordinator:
             ownership=self.ownership,
             store=self.store,
             fleet=config.fleet.enabled,
+            members=self.router_models.members,  # `checkpoint --server ENTRY`: a router's models discovered
         )
 
     def _given_back(self, srv: ServerRuntime) -> None:

@@ -221,6 +221,11 @@ class RouterModels:
             known = aliases.known_as(first, model) if first is not None else None
         return known
 
+    def members(self, entry: str) -> list[str] | None:
+        """The servers an entry that discovers its models has found (None: not such an entry)."""
+        d = self.entries.get(entry)
+        return sorted(d.names.values()) if d is not None else None
+
     def shown_in(self, sections: StatusSections, swaps: ModelSwaps) -> None:
         """Status: a router's models (`router_models`), and what discovery found (`router_discovery`)."""
         if swaps.managed or self.entries:

@@ -22,7 +22,7 @@ from kvsidecar.config import ServerConfig, config_from_mapping
 from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.coordinator.router_models import derived_name
 from kvsidecar.coordinator.state import Outcome
-from kvsidecar.errors import BackendUnavailable
+from kvsidecar.errors import BackendUnavailable, NotFound
 from kvsidecar.store.snapshots import SIZE_MISMATCH, SnapshotStore
 from tests.unit.coordinator_helpers import conversation, make_config
 
@@ -207,5 +207,22 @@ async def test_a_discovered_models_snapshot_changed_on_disk_is_seen_in_the_entry
         with (tmp_path / "snaps" / rec.filename).open("ab") as f:
             f.write(b"tampered")
         assert coord.store.recheck_file("router", rec.filename) == SIZE_MISMATCH
+    finally:
+        await coord.aclose()
+
+
+async def test_a_checkpoint_of_the_routers_entry_saves_every_model_it_discovered(tmp_path: Path) -> None:
+    """`kvsidecar checkpoint --server ENTRY --wait` (the shipped unit's ExecStop names the entry): every dirty
+    session of every model discovered is saved before the answer."""
+    router = Router(tmp_path / "snaps", ["alpha", "beta"])
+    coord = await coordinator(tmp_path, router)
+    try:
+        await turn(coord, router, "s1", "alpha", 1)
+        await turn(coord, router, "s2", "beta", 1)
+        out = await coord.checkpoint("router", wait=True, timeout_s=30)
+        assert out["servers"] == ["router.alpha", "router.beta"] and out["dirty"] == 2 and out["saved"] == 2
+        assert not any(rt.dirty for rt in coord.sessions.by_key.values())
+        with pytest.raises(NotFound):
+            await coord.checkpoint("nope", wait=True, timeout_s=30)
     finally:
         await coord.aclose()
