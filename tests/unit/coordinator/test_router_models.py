@@ -18,6 +18,7 @@ from kvsidecar.api.admin import _doctor
 from kvsidecar.backend.base import KvBackend
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.backend.llama_router import RouterModel
+from kvsidecar.cli.text import render_status
 from kvsidecar.config import ServerConfig, config_from_mapping
 from kvsidecar.coordinator.core import Coordinator
 from kvsidecar.coordinator.router_models import derived_name
@@ -224,5 +225,16 @@ async def test_a_checkpoint_of_the_routers_entry_saves_every_model_it_discovered
         assert not any(rt.dirty for rt in coord.sessions.by_key.values())
         with pytest.raises(NotFound):
             await coord.checkpoint("nope", wait=True, timeout_s=30)
+    finally:
+        await coord.aclose()
+
+
+async def test_kvsidecar_status_says_what_discovery_left_out(tmp_path: Path) -> None:
+    router = Router(tmp_path / "snaps", ["m1", "m2", "bad\x07id"])
+    coord = await coordinator(tmp_path, router, max_models=1)
+    try:
+        text = render_status(coord.status())
+        assert "router router: 1 model(s) discovered, 0 no longer listed" in text
+        assert "1 left unmanaged past max_models 1; 1 id(s) skipped" in text
     finally:
         await coord.aclose()
