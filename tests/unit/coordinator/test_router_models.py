@@ -12,12 +12,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from kvsidecar.api.admin import _doctor
 from kvsidecar.backend.base import KvBackend
 from kvsidecar.backend.fake import FakeKvBackend
-from kvsidecar.backend.llama_router import RouterModel
+from kvsidecar.backend.llama_router import RouterModel, RouterModelBackend
 from kvsidecar.cli.text import render_status
 from kvsidecar.config import ServerConfig, config_from_mapping
 from kvsidecar.coordinator.core import Coordinator
@@ -25,6 +26,7 @@ from kvsidecar.coordinator.router_models import derived_name
 from kvsidecar.coordinator.state import Outcome
 from kvsidecar.errors import BackendUnavailable, NotFound
 from kvsidecar.store.snapshots import SIZE_MISMATCH, SnapshotStore
+from tests.unit.coordinator.test_swaps import Router as FakeRouter
 from tests.unit.coordinator_helpers import conversation, make_config
 
 SAFE_NAME = re.compile(r"\Arouter\.[A-Za-z0-9._-]{1,64}\Z")
@@ -236,5 +238,33 @@ async def test_kvsidecar_status_says_what_discovery_left_out(tmp_path: Path) -> 
         text = render_status(coord.status())
         assert "router router: 1 model(s) discovered, 0 no longer listed" in text
         assert "1 left unmanaged past max_models 1; 1 id(s) skipped" in text
+    finally:
+        await coord.aclose()
+
+
+async def test_an_alias_the_router_lists_goes_to_the_discovered_model_it_names(tmp_path: Path) -> None:
+    """A request naming a model by its preset's `--alias` runs on that model's child: it goes to the model's
+    discovered entry once the router has listed the alias (a RouterModelBackend on a fake router)."""
+    fake_router = FakeRouter(["alpha", "beta"], max_loaded=1, aliases={"beta": ["fast"]})
+    router = Router(tmp_path / "snaps", ["alpha", "beta"])
+
+    async def listed(entry: str, cfg: ServerConfig) -> Mapping[str, RouterModel]:
+        return {
+            m: RouterModel(id=m, status="unloaded", aliases=frozenset(fake_router.aliases.get(m, [])))
+            for m in router.models
+        }
+
+    def backend(name: str, cfg: ServerConfig) -> KvBackend:
+        assert cfg.model is not None
+        transport = httpx.MockTransport(fake_router.handle)
+        return RouterModelBackend(model=cfg.model, base_url=cfg.base_url, transport=transport)
+
+    router.list = listed  # type: ignore[method-assign]
+    router.backend = backend  # type: ignore[method-assign]
+    coord = await coordinator(tmp_path, router)
+    try:
+        assert coord.route("local", "fast") is coord.servers["router.beta"]
+        assert coord.route("local", "alpha") is coord.servers["router.alpha"]
+        assert coord.route("local", "slow") is None
     finally:
         await coord.aclose()
