@@ -79,7 +79,7 @@ def admin_routes(coordinator: Coordinator, retention: RetentionJob | None) -> li
 
 async def _doctor(coordinator: Coordinator, *, deep: bool) -> dict[str, Any]:
     reports = []
-    for name, srv in coordinator.servers.items():
+    for name, srv in list(coordinator.servers.items()):  # a router's model may be found meanwhile
 
         async def hold(fn: Callable[[int], Awaitable[Any]], name: str = name) -> Any:
             return await coordinator.with_slot(name, fn)
