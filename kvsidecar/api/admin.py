@@ -79,13 +79,16 @@ def admin_routes(coordinator: Coordinator, retention: RetentionJob | None) -> li
 
 async def _doctor(coordinator: Coordinator, *, deep: bool) -> dict[str, Any]:
     reports = []
-    for name, srv in coordinator.servers.items():
+    for name, srv in list(coordinator.servers.items()):  # a router's model may be found meanwhile
 
         async def hold(fn: Callable[[int], Awaitable[Any]], name: str = name) -> Any:
             return await coordinator.with_slot(name, fn)
 
+        config = coordinator.config
+        if name not in config.servers:  # a router's model discovered: checked with its own entry's settings
+            config = config.model_copy(update={"servers": {**config.servers, name: srv.config}})
         doc = Doctor(
-            config=coordinator.config,
+            config=config,
             server=name,
             backend=srv.backend,
             hold_slot=hold,

@@ -232,7 +232,8 @@ class LlamaCppBackend:
         if props.get("role") == "router":  # its slots are its models' children's, never its own
             raise BackendUnsupported(
                 f"probe /props: llama-server at {self.base_url} is a router (started without a model): give "
-                "each of its models a server entry with `model:` (its id in GET /models; docs/SWAPS.md)"
+                "each of its models a server entry with `model:` (its id in GET /models), or let kvsidecar "
+                "discover them (`discover_models: true`; docs/SWAPS.md)"
             )
         sleeping = _is_sleeping(props)
         settings = props.get("default_generation_settings")

@@ -213,6 +213,8 @@ def _offline_doctor(config: Config, deep: bool) -> dict[str, Any]:
     async def run() -> dict[str, Any]:
         reports = []
         for name, server in config.servers.items():
+            if server.discover_models:  # the router itself: its models are found by the running daemon
+                continue
             backend = backend_for(server, name=name)
             try:
                 reports.append(

@@ -247,8 +247,13 @@ def cmd_config_router(args: argparse.Namespace) -> int:
     if not models:
         print(f"kvsidecar: {url} lists no models: is it a llama-server router?", file=sys.stderr)
         return 1
+    entries = server_entries(url, models)
+    if args.discover:  # one entry for them all, and for every model added to the router later
+        first = next(iter(entries.values()))
+        entries = {"router": {"base_url": url, "discover_models": True}}
+        entries["router"] |= {k: first[k] for k in ("snapshot_dir", "mode") if k in first}
     print(f"# the models of the router at {url} (docs/SWAPS.md); route a provider to any one of them")
-    sys.stdout.write(yaml.safe_dump({"servers": server_entries(url, models)}, sort_keys=False))
+    sys.stdout.write(yaml.safe_dump({"servers": entries}, sort_keys=False))
     return 0
 
 
@@ -287,4 +292,10 @@ def add_config_commands(sub: _Commands) -> None:
         "router", help="print a server entry for each model of a llama-server router (from its GET /models)"
     )
     router.add_argument("url", help="the router's address, e.g. http://127.0.0.1:8080")
+    router.add_argument(
+        "--discover",
+        action="store_true",
+        help="print one entry that discovers the router's models (discover_models: true): each model it "
+        "lists, now or later, is managed as a server of its own",
+    )
     router.set_defaults(func=cmd_config_router)

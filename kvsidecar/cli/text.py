@@ -67,6 +67,13 @@ def render_status(s: dict[str, Any]) -> str:
                 ["slot", "state", "owner", "tokens"],
             )
         )
+    for entry, d in (s.get("router_discovery") or {}).items():
+        line = f"router {entry}: {len(d['models'])} model(s) discovered, {len(d['missing'])} no longer listed"
+        if d["unmanaged_over_max"]:
+            line += f"; {d['unmanaged_over_max']} left unmanaged past max_models {d['max_models']}"
+        if d["skipped"]:
+            line += f"; {len(d['skipped'])} id(s) skipped"
+        out.append(line + (f"; last look failed: {d['last_error']}" if d["last_error"] else ""))
     snap = s["snapshots"]
     out.append(
         f"snapshots: {snap['known']} known, {snap['valid']} valid, {snap['invalid']} invalid, "

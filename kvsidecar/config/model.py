@@ -85,9 +85,12 @@ class Config(Section):
             if len(entries) < 2:
                 continue
             names = ", ".join(n for n, _ in entries)
-            models = [s.model for _, s in entries]
-            if all(m is None for m in models):
+            discovering = [n for n, s in entries if s.discover_models]
+            models = [s.model for _, s in entries if not s.discover_models]
+            if not discovering and all(m is None for m in models):
                 continue  # not a router's (two entries on one llama-server are the operator's to avoid)
+            if len(discovering) > 1:
+                out.append(f"servers: {names} share base_url {url}: one entry at most discovers its models")
             if None in models:
                 out.append(
                     f"servers: {names} share base_url {url}: only the models of a router may (set `model` "
@@ -188,10 +191,11 @@ class Config(Section):
     def server_for(self, provider: str, model: str | None = None) -> str | None:
         """The server a provider's call runs on. A provider routed to a model of a router goes by `model`
         (the router runs each call on the model it names): the entry of that model on the same router, or
-        None (a model no entry manages: its calls pass through untouched)."""
+        None (a model no entry names: a discovered model's runtime, if any, else unmanaged: its calls pass
+        through untouched)."""
         name = self.routes.get(provider)
         routed = self.servers.get(name) if name is not None else None
-        if routed is None or routed.model is None or model is None:
+        if routed is None or (routed.model is None and not routed.discover_models) or model is None:
             return name
         url = routed.base_url.rstrip("/")
         for other, server in self.servers.items():

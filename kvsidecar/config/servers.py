@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from kvsidecar.config.values import BaseUrl, PathValue, Section, home_path
 
@@ -26,6 +26,17 @@ class ServerConfig(Section):
     # router and this entry is the one model of it named here, as `GET /models` lists its id. Each model is
     # its own server entry (its own slots, fingerprint and sessions); docs/SWAPS.md.
     model: str | None = Field(default=None, min_length=1, max_length=256)
+    # A router whose models kvsidecar discovers (docs/SWAPS.md, "Discovered models"): this entry is not a
+    # server itself; every model `GET /models` lists (include/exclude: fnmatch patterns on its id; empty
+    # include: all) becomes a server of its own, named `NAME.MODEL`, with this entry's settings, up to
+    # `max_models` of them. An entry with `model:` on the same router keeps its model.
+    discover_models: bool = False
+    include_models: list[str] = Field(default_factory=list, max_length=256)
+    exclude_models: list[str] = Field(default_factory=list, max_length=256)
+    max_models: int = Field(default=32, ge=1, le=1024)
+    # ask the router to re-read its models directory or preset at each look (`GET /models?reload=1`): a model
+    # added there is listed only after that; the router also unloads a running model whose file changed
+    reload_models: bool = False
     mode: Mode = Mode.SINGLE_SLOT
     slot_id: int = Field(default=0, ge=0)
     # managed-slots: keep the highest slot for auxiliary requests (titles, compaction), spec §72
@@ -48,3 +59,9 @@ class ServerConfig(Section):
         if value is not None and not all(c.isprintable() for c in value):
             raise ValueError("a model id of printable characters (as GET /models lists it)")
         return value
+
+    @model_validator(mode="after")
+    def _discovers_or_names(self) -> ServerConfig:
+        if self.discover_models and self.model is not None:
+            raise ValueError("discover_models: a router's entry discovers its models or names one (`model`)")
+        return self

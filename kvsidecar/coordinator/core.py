@@ -8,10 +8,8 @@ session dirty on success and checks how much of a restore the engine actually re
 Invariant 1: nothing here ever touches a prompt or a reply; the harness' conversation is built from its own
 log, so what kvsidecar does to a slot can change how fast an answer comes, never what it says.
 
-`Coordinator` composes the parts, each one noun (the table in docs/ARCHITECTURE.md, and each module's
-docstring): the pool, leases, sessions, guards, the acquirer, the plan of a start, restorer, saver,
-checkpoint policy, operations, router swaps, telemetry and views.
-Everything runs on the event loop.
+`Coordinator` composes the parts, each one noun (docs/ARCHITECTURE.md): pool, leases, sessions, guards,
+acquirer, plan of a start, restorer, saver, checkpoints, operations, router swaps, models, telemetry, views.
 """
 
 from __future__ import annotations
@@ -40,11 +38,12 @@ from kvsidecar.coordinator.operations import INVALIDATED, SessionOperations
 from kvsidecar.coordinator.ownership import KeyGate, KeyOwnership
 from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.restore import Restorer
+from kvsidecar.coordinator.router_models import RouterModels
 from kvsidecar.coordinator.runtime import RuntimeGuard
 from kvsidecar.coordinator.save import Saver
 from kvsidecar.coordinator.savepoints import SavePoints
 from kvsidecar.coordinator.scope import ScopeGate, ScopeLedger
-from kvsidecar.coordinator.server import ProcessFinder, ServerRuntime, build_servers
+from kvsidecar.coordinator.server import ProcessFinder, ServerRuntime, build_servers, server_maker
 from kvsidecar.coordinator.sessions import SessionTable
 from kvsidecar.coordinator.state import HOOK_SCOPE, HOOK_SIGNAL, UNKNOWN_CLIENT, AcquireResult, Outcome
 from kvsidecar.coordinator.swaps import ModelSwaps
@@ -97,11 +96,10 @@ class Coordinator:
         self.config = config
         self.store = store
         self.metrics = metrics or Metrics()
-        self.clock = clock
-        self.monotonic = monotonic
-        self.servers = build_servers(
-            config, backends, process_finder, process_check, digests, monotonic, before_wake=self._load_model
-        )
+        self.clock, self.monotonic = clock, monotonic
+        make = server_maker(config, process_finder, process_check, digests, monotonic, self._load_model)
+        self.servers = build_servers(config, backends, make)  # a router's models found: router_models.py
+        self.router_models = RouterModels(config=config, servers=self.servers, store=store, make=make)
         self.costs = CostModel()
         self.telemetry = Telemetry(self.metrics, self.costs)
         self.telemetry.observers.extend(observers)
@@ -122,13 +120,11 @@ class Coordinator:
         self._compose_persistence(gate=gate, after_save=after_save, acquire_timeout_s=acquire_timeout_s)
         self._compose_requests(acquire_timeout_s)
         self.pending_restart: list[str] = pending_restart if pending_restart is not None else []
-        # the parts of status() other packages own: fleet mode's (given here), the proxy's (issue 28; the
-        # proxy, built on this coordinator, adds it)
+        # the parts of status() other packages own: fleet mode's (given here), the proxy's (it adds its own)
         self.sections = views.StatusSections()
         if fleet_view is not None:
             self.sections.add("fleet", fleet_view)
-        if self.swaps.managed:
-            self.sections.add("router_models", self.swaps.view)
+        self.router_models.shown_in(self.sections, self.swaps)  # status: router_models, router_discovery
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
 
@@ -231,6 +227,7 @@ class Coordinator:
             ownership=self.ownership,
             store=self.store,
             fleet=config.fleet.enabled,
+            members=self.router_models.members,  # `checkpoint --server ENTRY`: a router's models discovered
         )
 
     def _given_back(self, srv: ServerRuntime) -> None:
@@ -239,12 +236,14 @@ class Coordinator:
     # lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
         self.checkpoints.start()
-        for srv in self.servers.values():
+        await self.router_models.start()  # the models a router lists now are servers from here on
+        for srv in list(self.servers.values()):
             shared = SHARED_TEMP_AGE_S if self.config.fleet.enabled else 0.0  # another host's may be fresh
             held = self.store.snapshot_anchor(srv.name) or srv.config.snapshot_dir  # never through its path
             await asyncio.to_thread(sweep_canary_files, held, min_age_s=shared)
             await self.guard.refresh(srv)
             self.spawn(self._probe_loop(srv))
+        self.router_models.watch(self.spawn, partial(self._probe_loop, first=True))  # no sweep: siblings'
 
     async def aclose(self) -> None:
         """Stop taking work, checkpoint dirty slots within the bound, stop every task and timer."""
@@ -276,7 +275,9 @@ class Coordinator:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _probe_loop(self, srv: ServerRuntime) -> None:
+    async def _probe_loop(self, srv: ServerRuntime, *, first: bool = False) -> None:
+        if first:  # a router's model found after the start
+            await self.guard.refresh(srv)
         while True:
             await asyncio.sleep(srv.config.probe_interval_s)
             await self.guard.refresh(srv)
@@ -295,9 +296,9 @@ class Coordinator:
     def route(self, provider: str, model: str | None = None) -> ServerRuntime | None:
         """The server of `provider`; a provider routed to a router's model goes by `model` (docs/SWAPS.md)."""
         name = self.config.server_for(provider, model)
-        if name is None and model is not None:  # the router runs a model under its aliases too
-            return self.swaps.known_as(self.config.routes.get(provider), model)
-        return self.servers[name] if name is not None else None
+        if name is None and model is not None:  # a model discovered, or one the router runs under an alias
+            return self.router_models.find(self.config.routes.get(provider), model, aliases=self.swaps)
+        return self.servers.get(name) if name is not None else None  # None: a router's discovering entry
 
     def session_key(
         self, session_id: str, provider: str, model: str, purpose: str | None, scope: str = HOOK_SCOPE

@@ -68,7 +68,7 @@ class UnsavedCollector(Collector):
         sessions: Callable[[], Iterable[SessionRuntime]],
         monotonic: Callable[[], float],
     ) -> None:
-        self.servers = list(servers)
+        self.servers = servers  # the coordinator's own map: a router's model discovered later is in it
         self.sessions = sessions
         self.monotonic = monotonic
 

@@ -10,6 +10,7 @@ not write a key marks or deletes nothing of it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from kvsidecar.coordinator.checkpoint import CheckpointPolicy
@@ -37,6 +38,7 @@ class SessionOperations:
         ownership: KeyOwnership,
         store: SnapshotStore,
         fleet: bool,
+        members: Callable[[str], list[str] | None] = lambda _name: None,
     ) -> None:
         self.servers = servers
         self.sessions = sessions
@@ -45,6 +47,7 @@ class SessionOperations:
         self.ownership = ownership
         self.store = store
         self.fleet = fleet  # fleet mode (restart-only): the shared manifests are read before a purge
+        self.members = members  # a router's entry that discovers its models -> the servers they are
 
     async def event(self, session_id: str, type_: str, seq: int | None) -> dict[str, Any]:
         saved = 0
@@ -110,11 +113,12 @@ class SessionOperations:
         caller that leaves or gives up never cancels a save. With `wait` the answer comes once every save
         has committed: KV_SAVE_FAILED naming each session a stop would cost its unsaved turns, or
         KV_OPERATION_TIMEOUT past `timeout_s` (the saves go on)."""
-        if server is not None and server not in self.servers:
+        group = self.members(server) if server is not None and server not in self.servers else None
+        if server is not None and server not in self.servers and group is None:
             raise NotFound(f"no such server: {server[:64]!r}", hint=f"Servers: {', '.join(self.servers)}.")
-        names = [server] if server is not None else list(self.servers)
+        names = group if group is not None else [server] if server is not None else list(self.servers)
         dirty = sum(1 for rt in self.sessions.by_key.values() if rt.dirty and rt.identity.server in names)
-        task = self.checkpoints.spawn(self.checkpoints.checkpoint_all(CHECKPOINT, server=server))
+        task = self.checkpoints.spawn(self._checkpoint_all(names if server is not None else None))
         out: dict[str, Any] = {"servers": names, "dirty": dirty, "waited": wait, "saved": None}
         if not wait:
             return out
@@ -132,3 +136,12 @@ class SessionOperations:
                 hint="A stop now costs those sessions their unsaved turns; see the daemon log and status.",
             )
         return {**out, "saved": len(results)}
+
+    async def _checkpoint_all(self, names: list[str] | None) -> list[tuple[SessionRuntime, str | None]]:
+        """The checkpoint of every server (None), or of these, one after the other (a router's models)."""
+        if names is None:
+            return await self.checkpoints.checkpoint_all(CHECKPOINT)
+        out: list[tuple[SessionRuntime, str | None]] = []
+        for name in names:
+            out += await self.checkpoints.checkpoint_all(CHECKPOINT, server=name)
+        return out

@@ -24,28 +24,23 @@ inode, address ranges: `model_mappings`) forgets every slot's residency and rebu
 server sleeps there is no fingerprint: an acquire wakes it first (`refresh(wake=True)`), then fingerprints
 what it loaded.
 
-Router mode (not built): each child of a router is a runtime of its own (`RuntimeKey(server, model)`), with
-its own identity, process and slots: a `ServerRuntime` per child, made and dropped as the router loads and
-unloads models (docs/ARCHITECTURE.md, "One owner per piece of state").
+Router mode: each model of a router is a runtime of its own (`RuntimeKey(server, model)`), with its own
+identity, process and slots; a discovered model's is made by `server_maker`'s (router_models.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import select
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
-
-import psutil
 
 from kvsidecar.backend.base import BackendCapabilities, KvBackend
 from kvsidecar.config import Config, Mode, ServerConfig
 from kvsidecar.coordinator.breaker import CircuitBreaker
 from kvsidecar.coordinator.decisions import ModelFacts, save_useless
+from kvsidecar.coordinator.process_watch import _ProcessWatch, process_alive
 from kvsidecar.coordinator.state import Slot
 from kvsidecar.errors import KvError
 from kvsidecar.fingerprint.file_digests import FileDigestCache
@@ -68,7 +63,8 @@ log = logging.getLogger("kvsidecar.server")
 ProcessFinder = Callable[[str], ProcessInfo | None]
 MemoryReader = Callable[[BackendCapabilities, ProcessInfo | None], ServerMemory]
 
-__all__ = ["NEW_PROCESS", "ProcessFinder", "RefreshResult", "ServerRuntime", "build_servers", "process_alive"]
+__all__ = ["NEW_PROCESS", "ProcessFinder", "RefreshResult", "ServerRuntime", "build_servers", "server_maker"]
+__all__ += ["process_alive"]
 
 
 class ServerRuntime:
@@ -372,56 +368,32 @@ def _build(
     return base, memory_reader(caps, process)
 
 
-class _ProcessWatch:
-    """A pidfd on the local llama-server: "is it still running?" is one poll (about 2 µs, where psutil
-    takes about 35 µs), and a pidfd can never refer to another process that reused the pid."""
-
-    def __init__(self, process: ProcessInfo) -> None:
-        self.identity = process.identity
-        self.fd: int | None = None
-        with contextlib.suppress(OSError, AttributeError):
-            fd = os.pidfd_open(process.pid)
-            if process_alive(process):  # the pid still names the process we found (not a reuse)
-                self.fd = fd
-            else:
-                os.close(fd)
-
-    def alive(self) -> bool | None:
-        if self.fd is None:
-            return None
-        readable, _, _ = select.select([self.fd], [], [], 0)  # readable once the process has exited
-        return not readable
-
-    def close(self) -> None:
-        if self.fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-            self.fd = None
-
-
-def process_alive(process: ProcessInfo) -> bool:
-    """The same local process is still running (a pid reused by another process has another start time)."""
-    try:
-        return abs(psutil.Process(process.pid).create_time() - process.create_time) < 1e-3
-    except (psutil.Error, OSError):
-        return False
-
-
 def build_servers(
     config: Config,
     backends: dict[str, KvBackend],
+    make: Callable[[str, ServerConfig, KvBackend], ServerRuntime],
+) -> dict[str, ServerRuntime]:
+    """One runtime per configured server (`server_maker`); a router's entry that discovers its models has no
+    backend and is none (router_models.py adds a runtime per model it finds)."""
+    found = [(name, cfg) for name, cfg in config.servers.items() if not cfg.discover_models]
+    return {name: make(name, cfg, backends[name]) for name, cfg in found}
+
+
+def server_maker(
+    config: Config,
     process_finder: ProcessFinder | None,
     process_check: Callable[[ProcessInfo], bool] | None,
     digests: FileDigestCache | None,
     monotonic: Callable[[], float],
     before_wake: Callable[[ServerRuntime], Awaitable[None]] | None = None,
-) -> dict[str, ServerRuntime]:
-    """One runtime per configured server, each with its own breaker (different servers share nothing)."""
-    return {
-        name: ServerRuntime(
+) -> Callable[[str, ServerConfig, KvBackend], ServerRuntime]:
+    """What makes the runtime of one server entry (configured, or a router's model discovered)."""
+
+    def make(name: str, cfg: ServerConfig, backend: KvBackend) -> ServerRuntime:
+        return ServerRuntime(
             name=name,
             config=cfg,
-            backend=backends[name],
+            backend=backend,
             breaker=CircuitBreaker(
                 max_consecutive_failures=config.failure.max_consecutive_failures,
                 cooldown_s=config.failure.cooldown_s,
@@ -434,5 +406,5 @@ def build_servers(
             model=cfg.model,
             before_wake=before_wake,
         )
-        for name, cfg in config.servers.items()
-    }
+
+    return make

@@ -105,7 +105,7 @@ class Daemon:
     ) -> Coordinator:
         config, fleet = self.config, self.fleet
         if backends is None:
-            backends = {name: backend_for(s, name=name) for name, s in config.servers.items()}
+            backends = {n: backend_for(s, name=n) for n, s in config.servers.items() if not s.discover_models}
         return Coordinator(
             config=config,
             store=self.store,

@@ -228,11 +228,11 @@ class Proxy:
             too_big = PayloadTooLarge(f"request body is over {self.cfg.max_body_bytes} bytes")
             await self._refuse(too_big, scope, receive, send)
             return
-        srv = self.coordinator.servers[self.cfg.server]
+        srv = self.coordinator.servers.get(self.cfg.server)  # None: a router's entry discovering its models
         try:  # the one body gate: nothing of a body reaches llama-server (or a peer) before it
-            ids = token_ids(path, admit(scope["method"], path, scope["headers"], body, srv.caps))
-            if ids is not None:
-                check_token_ids(ids, (await srv.backend.tokenizer_info()).n_vocab)
+            data = admit(scope["method"], path, scope["headers"], body, srv.caps if srv is not None else None)
+            if (ids := token_ids(path, data)) is not None:
+                check_token_ids(ids, await self.sessions.n_vocab(self.provider, data))
         except KvError as exc:
             await self._refuse(exc, scope, receive, send)
             return
@@ -268,8 +268,8 @@ class Proxy:
         """A route that ignores id_slot is safe only where llama-server has no other slot to pick."""
         if call.route is not RouteKind.UNPINNED:
             return
-        routed = self.coordinator.route(self.provider, self.sessions.runs_on(call)) if self.provider else None
-        caps = (routed or self.coordinator.servers[self.cfg.server]).caps  # a router's: the model it runs on
+        srv = self.sessions.serving(self.provider, self.sessions.runs_on(call))  # a router's: the model's
+        caps = srv.caps if srv is not None else None
         if caps is None:
             raise BackendUnavailable(f"llama-server at {self.upstream.base_url} has not answered a probe yet")
         if caps.props.get("slots_known") is False:  # a router's model never loaded, no --parallel given

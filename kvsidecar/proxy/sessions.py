@@ -30,8 +30,9 @@ from kvsidecar.backend.base import BackendSlot
 from kvsidecar.backend.llama_http import RouteKind, check_one_completion, json_object
 from kvsidecar.config import ProxyConfig
 from kvsidecar.coordinator.core import Coordinator
+from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.state import AcquireResult
-from kvsidecar.errors import BadRequest, KvError
+from kvsidecar.errors import BackendUnavailable, BadRequest, KvError
 from kvsidecar.logs import event
 from kvsidecar.proxy.answers import PROMPT_DIVERGED, SIGNAL_AUX_DIVERGED, SIGNAL_NONE
 from kvsidecar.proxy.anthropic import chat_request_bytes
@@ -258,8 +259,24 @@ class ProxySessions:
         server of its lease (a router's model: the one the call runs on)."""
         if call.session is None:
             return None
-        srv = self.coordinator.servers[server or self.cfg.server]
-        return partial(slot_held, srv.backend.inspect_slots, slot_id)
+        srv = self.coordinator.servers.get(server or self.cfg.server)
+        return partial(slot_held, srv.backend.inspect_slots, slot_id) if srv is not None else None
+
+    def serving(self, provider: str | None, model: str | None) -> ServerRuntime | None:
+        """The runtime a call naming `model` runs on (a router's model, by the body's `model`), else
+        proxy.server's; None: proxy.server is a router's entry that discovers its models (no runtime of its
+        own) and `model` names none of them."""
+        routed = self.coordinator.route(provider, model) if provider is not None else None
+        return routed or self.coordinator.servers.get(self.cfg.server)
+
+    async def n_vocab(self, provider: str | None, data: Any) -> int:
+        """The vocabulary a body's token ids are looked up in: the model it names (a router's), else
+        proxy.server's."""
+        model = data.get("model") if isinstance(data, dict) else None
+        srv = self.serving(provider, model if isinstance(model, str) and model else None)
+        if srv is None:
+            raise BackendUnavailable("the body names no model kvsidecar manages: its vocabulary is unknown")
+        return (await srv.backend.tokenizer_info()).n_vocab
 
     def runs_on(self, call: SlotCall) -> str | None:
         """The model the call runs on as a router reads it (the body's `model`), None when it names none."""

@@ -91,6 +91,17 @@ class StoreLayout:
             self.fingerprints_dir, FINGERPRINT_FILE, anchor=self.anchors["fingerprints"]
         )
 
+    def share_dir(self, server: str, like: str) -> None:
+        """`server` (a model discovered on a router, coordinator/router_models.py) keeps its snapshots in
+        `like`'s directory, through the very same held directory. Each map is replaced, never changed in
+        place: a worker thread iterating one keeps its own copy."""
+        if server in self.snap:
+            return
+        self.configured_dirs = {**self.configured_dirs, server: self.configured_dirs[like]}
+        self.snapshot_dirs = {**self.snapshot_dirs, server: self.snapshot_dirs[like]}
+        self.anchors = {**self.anchors, f"snapshots:{server}": self.anchors[f"snapshots:{like}"]}
+        self.snap = {**self.snap, server: self.snap[like]}
+
     def path_for(self, server: str, filename: str) -> Path:
         """The path of one of our snapshot names in a server's directory (UnsafeFile if not ours)."""
         return self.snap[server].join(filename)

@@ -199,8 +199,12 @@ class Reconciler:
             return None  # fleet: another host's file (its owner checks it before any restore)
         manifest = self.table.get(key)
         rec = manifest.generation(gen) if manifest else None
-        if manifest is None or rec is None or not rec.valid or manifest.server != server:
+        if manifest is None or rec is None or not rec.valid:
             return None
+        if manifest.server != server and self.layout.snap.get(manifest.server) is not self.layout.snap.get(
+            server
+        ):
+            return None  # (a router's model discovered shares its entry's held directory: `share_dir`)
         if rec.filename != filename:  # a staging name of the generation (fleet): not the recorded file
             return None
         d = self.layout.snap[server]

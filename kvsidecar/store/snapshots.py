@@ -96,11 +96,9 @@ class SnapshotStore:
     ) -> None:
         # fleet mode: manifests, fingerprints and fences live in the shared directory (docs/FLEET.md)
         self.layout = StoreLayout(state_dir=state_dir, snapshot_dirs=snapshot_dirs, meta_dir=shared_dir)
-        self.configured_dirs = self.layout.configured_dirs
         self.state_dir = self.layout.state_dir
         self.manifests_dir = self.layout.manifests_dir
         self.fingerprints_dir = self.layout.fingerprints_dir
-        self.snapshot_dirs = self.layout.snapshot_dirs
         self.verify_checksum = verify_checksum  # live: SIGHUP may change it
         self.clock = clock
         self.table = ManifestTable(self.layout, clock=clock)
@@ -110,6 +108,18 @@ class SnapshotStore:
         self.saves = SavePlanner(self.layout, self.table, self.records, self.verified)
         self.candidates = CandidateFinder(self.layout, self.table, self.records, self.verified)
         self.dir_problems: list[str] = []
+
+    @property
+    def configured_dirs(self) -> dict[str, Path]:
+        return self.layout.configured_dirs
+
+    @property
+    def snapshot_dirs(self) -> dict[str, Path]:
+        """Each server's snapshot directory (a discovered model's: its router entry's, `share_dir`)."""
+        return self.layout.snapshot_dirs
+
+    def share_dir(self, server: str, like: str) -> None:
+        self.layout.share_dir(server, like)
 
     @classmethod
     def from_config(cls, config: Config) -> SnapshotStore:

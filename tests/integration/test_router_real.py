@@ -9,11 +9,14 @@ reported (log event, status, metric) and its session comes back from its last sn
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from kvsidecar.client import KvSidecar
 from kvsidecar.testing.daemon import DaemonProcess
@@ -170,5 +173,55 @@ def test_the_hook_api_names_the_model_its_lease_is_for(router: LlamaRouter, tmp_
                 assert lease.outcome == "resident" and t["cache_n"] >= t["prompt_n"], (lease, t)
         views = httpx.get(f"{daemon.url}/v1/sessions", headers=daemon.auth, timeout=30).json()["sessions"]
         assert [v["server"] for v in views] == ["beta"], views
+    finally:
+        daemon.stop()
+
+
+def test_a_model_added_to_the_routers_directory_is_discovered_and_swaps_without_loss(
+    router: LlamaRouter, llama_bin: Path, tmp_path: Path
+) -> None:
+    """An entry that discovers its router's models (`discover_models`, no `model:`): a model put in the
+    models directory after kvsidecar started is listed (kvsidecar asks the router to re-read it), managed
+    and routed by the body's `model`, saved before kvsidecar unloads it and restored after it loads again."""
+    printed = subprocess.run(
+        [sys.executable, "-m", "kvsidecar", "config", "router", router.base_url, "--discover"],
+        capture_output=True,
+        check=True,
+        timeout=60,
+    )
+    entry = yaml.safe_load(printed.stdout)["servers"]["router"]  # the entry `config router --discover` prints
+    assert entry == {
+        "base_url": router.base_url,
+        "discover_models": True,
+        "snapshot_dir": str(router.slot_save_path),
+        "mode": "managed-slots",
+    }
+    daemon = DaemonProcess(
+        tmp_path / "d",
+        base_url=router.base_url,
+        snapshot_dir=router.slot_save_path,
+        servers={"local": {**entry, "reload_models": True, "probe_interval_s": 1}},
+        proxy={"enabled": True, "server": "local"},
+        checkpoint={"idle_s": None, "max_unsaved_s": 0, "policy": "save-before-evict"},
+    ).start()
+    try:
+        s = Sessions(daemon)
+        assert s.turn("A1", "alpha")[0] == "cold"  # a model listed at the start: managed
+        models_dir(router.models_dir, llama_bin, vocab_dir(llama_bin), {"gamma": 4321})  # added now
+        eventually(
+            lambda: "gamma" in s.status()["router_discovery"]["local"]["models"],
+            timeout_s=60,
+            what="gamma discovered",
+        )
+        first = s.turn("G1", "gamma")  # alpha saved and unloaded, gamma loaded
+        assert first[0] == "cold", first
+        assert s.turn("A1", "alpha")[0] == "restored"  # gamma's slot saved before its unload
+        outcome, prompt_n, cache_n = s.turn("G1", "gamma")
+        assert outcome == "restored", outcome
+        assert cache_n >= 0.95 * (first[1] + first[2]), (cache_n, first)
+        assert prompt_n + cache_n > first[1] + first[2]
+        views = s.status()["router_models"]
+        assert views["local.gamma"]["unloads"] == {"kvsidecar": 1}, views
+        assert "kv.router.model_discovered" in daemon.log()
     finally:
         daemon.stop()

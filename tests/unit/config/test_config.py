@@ -363,3 +363,31 @@ def test_the_models_of_a_router_need_an_entry_each() -> None:
     with pytest.raises(ConfigError, match="printable"):
         config_from_mapping({"servers": {"local": {"model": "a\nb"}}})
     assert _router_config().servers["chat"].model == "chat-3b"
+
+
+def test_one_entry_may_discover_a_routers_models_beside_the_named_ones() -> None:
+    url = "http://127.0.0.1:8080"
+    found = config_from_mapping(
+        {
+            "servers": {
+                "local": {"base_url": url, "discover_models": True, "exclude_models": ["*-embed"]},
+                "coder": {"base_url": url, "model": "coder-7b"},  # its own entry: never discovered
+            }
+        }
+    )
+    assert found.servers["local"].discover_models and found.servers["local"].max_models == 32
+    assert found.server_for("local", "chat-3b") is None  # not an entry's: the discovered runtime, if any
+    assert found.server_for("local", "coder-7b") == "coder"
+    with pytest.raises(ConfigError, match="discovers its models or names one"):
+        config_from_mapping({"servers": {"local": {"base_url": url, "model": "m", "discover_models": True}}})
+    with pytest.raises(ConfigError, match="one entry at most discovers"):
+        two = {"base_url": url, "discover_models": True}
+        config_from_mapping({"servers": {"local": two, "b": two}})
+    with pytest.raises(ConfigError, match="only the models of a router may"):  # no opt-in: still refused
+        config_from_mapping(
+            {"servers": {"local": {"base_url": url, "discover_models": True}, "c": {"base_url": url}}}
+        )
+    with pytest.raises(ConfigError, match="max_models"):
+        config_from_mapping(
+            {"servers": {"local": {"base_url": url, "discover_models": True, "max_models": 0}}}
+        )

@@ -13,7 +13,7 @@ from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.coordinator.breaker import BreakerState
 from kvsidecar.coordinator.costs import CostModel
 from kvsidecar.coordinator.guard import PersistGuard
-from kvsidecar.coordinator.server import ServerRuntime, build_servers
+from kvsidecar.coordinator.server import ServerRuntime, build_servers, server_maker
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import (
     ConnectionLost,
@@ -45,7 +45,7 @@ def clock() -> Clock:
 def srv(tmp_path: Path, clock: Clock) -> ServerRuntime:
     config = make_config(tmp_path)
     backend = FakeKvBackend(tmp_path / "snaps")
-    server = build_servers(config, {"local": backend}, None, None, None, clock)["local"]
+    server = build_servers(config, {"local": backend}, server_maker(config, None, None, None, clock))["local"]
     reached(server)
     server.slots[0].holder = "test"  # the caller holds the slot (Invariant 8)
     return server
@@ -215,9 +215,9 @@ async def test_a_trial_granted_as_the_cooldown_ends_is_ended_by_the_block(
     an operation that ends with no verdict never leaves the half-open trial in flight (which would refuse
     every save and restore from then on)."""
     clock = SteppingClock()
-    server = build_servers(
-        make_config(tmp_path), {"local": FakeKvBackend(tmp_path / "s")}, None, None, None, clock
-    )["local"]
+    config = make_config(tmp_path)
+    make = server_maker(config, None, None, None, clock)
+    server = build_servers(config, {"local": FakeKvBackend(tmp_path / "s")}, make)["local"]
     reached(server)
     server.slots[0].holder = "test"
     breaker = server.breaker

@@ -208,7 +208,7 @@ def test_process_watch_sees_the_local_server_exit() -> None:
 
     import psutil
 
-    from kvsidecar.coordinator.server import _ProcessWatch
+    from kvsidecar.coordinator.process_watch import _ProcessWatch
 
     child = subprocess.Popen(["sleep", "30"])
     try:
