@@ -122,8 +122,7 @@ class Coordinator:
         self._compose_persistence(gate=gate, after_save=after_save, acquire_timeout_s=acquire_timeout_s)
         self._compose_requests(acquire_timeout_s)
         self.pending_restart: list[str] = pending_restart if pending_restart is not None else []
-        # the parts of status() other packages own: fleet mode's (given here), the proxy's (issue 28; the
-        # proxy, built on this coordinator, adds it)
+        # the parts of status() other packages own: fleet mode's (given here), the proxy's (it adds its own)
         self.sections = views.StatusSections()
         if fleet_view is not None:
             self.sections.add("fleet", fleet_view)
@@ -182,7 +181,7 @@ class Coordinator:
             monotonic=self.monotonic,
             acquire_timeout_s=acquire_timeout_s,
         )
-        self.swaps = ModelSwaps(servers=self.servers, checkpoints=self.checkpoints, metrics=self.metrics)
+        self.swaps = ModelSwaps(self.servers, self.checkpoints, self.metrics, refresh=self.guard.refresh)
 
     async def _load_model(self, srv: ServerRuntime) -> None:
         await self.swaps.load(srv)
@@ -214,6 +213,7 @@ class Coordinator:
             monotonic=self.monotonic,
             acquire_timeout_s=acquire_timeout_s,
         )
+        self.acquirer.swaps = self.swaps  # a router's models: room made before the slot (swaps.py)
         self.release = self.acquirer.release
         self.savepoints = SavePoints(self.acquirer, self.saver)  # the prompt's end, before the proxy forwards
         self.lease_ends = LeaseEnds(
@@ -234,6 +234,7 @@ class Coordinator:
         )
 
     def _given_back(self, srv: ServerRuntime) -> None:
+        self.swaps.given_back(srv)  # an unload of a router's model waiting for its slots looks again
         self.checkpoints.given_back(srv)
 
     # lifecycle ---------------------------------------------------------------------------------------
