@@ -41,6 +41,8 @@ from kvsidecar.errors import LeaseNotFound, SlotBusy
 from kvsidecar.store.naming import SnapshotIdentity
 
 T = TypeVar("T")
+# a request's tokens read once its server can tokenize (a router's model is loaded by `enter` first)
+PromptSource = Callable[[], Awaitable[PromptTokens | None]]
 ReleaseStatus = Literal["ok", "error", "aborted"]
 
 
@@ -88,15 +90,18 @@ class Acquirer:
         donor: SnapshotIdentity | None = None,
         extends: bool = False,
         named: tuple[str, str] = (UNKNOWN_CLIENT, HOOK_SIGNAL),
-        prompt: PromptTokens | None = None,
+        prompt: PromptTokens | PromptSource | None = None,
     ) -> AcquireResult:
         """A lease on a slot of `srv` prepared for `identity` (None: an auxiliary request of `scope`; a
         session's scope is its identity's). `extends`: its prompt is known to extend the session's last one
         (coordinator/scope.py). `named`: the client and the signal that named the session (the session's
-        view shows them). `prompt`: the request's tokens, or why unknown (the start plan's, plan.py)."""
+        view shows them). `prompt`: the request's tokens, or why unknown (the start plan's, plan.py); or what
+        reads them, called once the acquire is let in (a router's model loaded: it tokenizes)."""
         if self.swaps is not None:
             await self.swaps.enter(srv, caller)
         try:
+            if callable(prompt):
+                prompt = await prompt()
             return await self._acquire(
                 srv,
                 identity,

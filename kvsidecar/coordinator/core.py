@@ -28,7 +28,7 @@ from kvsidecar.backend.base import KvBackend
 from kvsidecar.backend.prompts import PromptTokens
 from kvsidecar.config import RESTART_ONLY, Config
 from kvsidecar.coordinator import views
-from kvsidecar.coordinator.acquire import Acquirer, ReleaseStatus
+from kvsidecar.coordinator.acquire import Acquirer, PromptSource, ReleaseStatus
 from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.canary import sweep_canary_files
 from kvsidecar.coordinator.checkpoint import CheckpointPolicy
@@ -326,7 +326,7 @@ class Coordinator:
         signal: str = HOOK_SIGNAL,
         client: str = UNKNOWN_CLIENT,
         runs_on: str | None = None,
-        prompt: PromptTokens | None = None,
+        prompt: PromptTokens | PromptSource | None = None,
     ) -> AcquireResult:
         """`runs_on`: the model the call runs on when the label is not it (the proxy: the body's `model`;
         it picks a router's model, docs/SWAPS.md). `caller`: who waits (once gone, no lease). `scope`: the

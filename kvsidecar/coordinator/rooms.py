@@ -24,6 +24,7 @@ class Room:
         self.users: Tally[str] = Tally()
         self.leaving: set[str] = set()
         self.waiting = 0  # acquires now waiting for room or for an unload to end (status)
+        self.max_loaded: int | None = None  # the router's --models-max as last read (0: no limit)
         self._changed = asyncio.Event()
 
     def marker(self) -> asyncio.Event:

@@ -30,12 +30,13 @@ comes back is a new runtime, whose sessions restore lazily on their next acquire
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter as Tally
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvsidecar.backend.llama_router import RouterModelBackend, Unload
+from kvsidecar.backend.llama_router import RouterModelBackend, RouterState, Unload
 from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.checkpoint import CheckpointPolicy
 from kvsidecar.coordinator.rooms import Room
@@ -108,8 +109,11 @@ class ModelSwaps:
         if backend is None:
             return
         room = self._room(srv)
+        if room.max_loaded is None:  # once per router: whether its models will be unloaded
+            with contextlib.suppress(KvError):
+                self._note_limit(srv, room, await backend.router_state())
         loop = asyncio.get_running_loop()
-        deadline, started = loop.time() + srv.config.model_wait_s, loop.time()
+        deadline, started, waited = loop.time() + srv.config.model_wait_s, loop.time(), False
         while True:
             marker = room.marker()
             if srv.name not in room.leaving:
@@ -118,24 +122,20 @@ class ModelSwaps:
                     break
                 if await self._load_entering(srv, room):
                     break
+            waited = True
             if not await room.wait(marker, deadline, caller):
                 if caller is not None and caller.gone():
                     raise caller.error(srv.name)
-                event(
-                    log,
-                    logging.WARNING,
-                    "kv.router.busy",
-                    server=srv.name,
-                    waited_s=round(loop.time() - started, 3),
-                )
+                waited_s = round(loop.time() - started, 3)
+                event(log, logging.WARNING, "kv.router.busy", server=srv.name, waited_s=waited_s)
                 raise ModelBusy(
                     f"no room on the router for model {backend.model[:64]!r} of server {srv.name} within "
                     f"{srv.config.model_wait_s:.0f}s: every model of ours it keeps loaded is in use"
                 )
-        if loop.time() - started > 0.001:
-            waited = round(loop.time() - started, 3)
+        if waited:  # for another model's request to end, or for its own unload
+            waited_s = round(loop.time() - started, 3)
             event(
-                log, logging.INFO, "kv.router.waited", server=srv.name, model=backend.model, waited_s=waited
+                log, logging.INFO, "kv.router.waited", server=srv.name, model=backend.model, waited_s=waited_s
             )
 
     async def _load_entering(self, srv: ServerRuntime, room: Room) -> bool:
@@ -170,6 +170,8 @@ class ModelSwaps:
         if router_model(srv) is None:
             return
         room = self._room(srv)
+        if srv.name in room.leaving:  # a save of its own before its unload found it gone: not loaded back
+            raise ModelBusy(f"server {srv.name} is being unloaded by kvsidecar")
         async with room.lock:
             made = await self._make_room(srv, room)
         self.observe(srv)
@@ -183,6 +185,7 @@ class ModelSwaps:
         backend = router_model(srv)
         assert backend is not None
         state = await backend.router_state()
+        self._note_limit(srv, room, state)
         me = state.models.get(backend.model)
         if me is not None and me.status == "unloaded" and state.max_loaded > 0:
             loaded = state.loaded()
@@ -199,6 +202,16 @@ class ModelSwaps:
                 return False  # the router would unload one of ours under a request: wait for its release
         await backend.wake()
         return True
+
+    def _note_limit(self, srv: ServerRuntime, room: Room, state: RouterState) -> None:
+        """The router's `--models-max`: when it is below the models kvsidecar manages there, each of them
+        will be unloaded in turn (`crowded`: its sessions get the save points evicted sessions get)."""
+        room.max_loaded = state.max_loaded
+        ours = [srv, *self._siblings(srv)]
+        for o in ours:
+            backend = router_model(o)
+            if backend is not None:
+                backend.crowded = 0 < state.max_loaded < len(ours)
 
     async def _save_and_unload(self, victim: ServerRuntime, room: Room, *, why: str) -> bool:
         """Save the victim's dirty slots, hold every slot of it, unload it; False when its slots stayed
@@ -277,8 +290,11 @@ class ModelSwaps:
         for srv in self.managed:
             backend = router_model(srv)
             assert backend is not None
-            last = self._last.get(srv.name)
+            last, room = self._last.get(srv.name), self._room(srv)
             out[srv.name] = {
+                "in_use": room.users[srv.name],  # acquires and leases of ours on it now
+                "unloading": srv.name in room.leaving,
+                "waiting": room.waiting,  # acquires on the router waiting for room or an unload
                 "model": backend.model,
                 "router_status": backend.last.status if backend.last is not None else None,
                 "port": backend.last.port if backend.last is not None else None,

@@ -220,6 +220,7 @@ def test_two_clients_on_two_models_at_once_wait_for_each_other(router: LlamaRout
         assert router.states() == {"alpha": "unloaded", "beta": "loaded"}
         views = s.status()["router_models"]
         assert views["local"]["unloads"] == {"kvsidecar": 1} and views["beta"]["unloads"] == {}, views
+        assert [views[n]["in_use"] for n in ("local", "beta")] == [0, 0], views  # both leases released
         # alpha's session was saved before its unload: its next turn restores it, its prompt reused
         outcome, _, cache_n = s.turn("A1", "alpha")
         assert outcome == "restored" and cache_n >= 0.95 * last["timings"]["prompt_n"], (outcome, cache_n)

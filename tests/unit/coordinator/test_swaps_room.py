@@ -42,6 +42,8 @@ async def test_a_model_in_use_is_not_unloaded_the_other_request_waits_for_its_re
     entering = asyncio.ensure_future(swaps.enter(b))
     await until(lambda: waiting(swaps) == 1, what="b's request waiting for room")
     assert router.log == ["load:a"]  # nothing unloaded under a's request, nothing loaded past the limit
+    view = swaps.view()
+    assert (view["a"]["in_use"], view["b"]["in_use"], view["b"]["waiting"]) == (1, 0, 1), view
     swaps.leave(a)  # a's lease released
     await entering
     assert router.log == ["load:a", f"save:a:{UNLOAD}", "unload:a", "load:b"]
@@ -114,3 +116,28 @@ async def test_an_unload_waits_for_a_save_the_checkpoint_loop_holds_a_slot_for()
     await for_b
     assert router.log == ["load:a", f"save:a:{UNLOAD}", "protect save done", "unload:a", "load:b"]
     assert a.slots[0].free  # given back after the unload
+
+
+@pytest.mark.parametrize(("max_loaded", "crowded"), [(1, True), (2, False), (0, False)])
+async def test_models_the_router_cannot_keep_loaded_together_are_crowded(
+    max_loaded: int, crowded: bool
+) -> None:
+    """Fewer models loaded at once than ours on the router: each will be unloaded in turn, so its sessions
+    take the save points of sessions that outnumber their slots (Restorer.oversubscribed)."""
+    router = Router(["a", "b"], max_loaded=max_loaded)
+    a, b = runtime("a", "a", router), runtime("b", "b", router)
+    swaps, _ = swaps_of([a, b], router.log)
+    await swaps.enter(a)
+    assert [s.backend.crowded for s in (a, b)] == [crowded, crowded]  # type: ignore[attr-defined]
+
+
+async def test_a_model_being_unloaded_is_not_woken_by_its_own_saves() -> None:
+    """A save before the unload that finds the model gone (the router unloaded it meanwhile) would wake it:
+    the wake hook refuses at once instead of waiting for the router's lock that unload holds."""
+    router = Router(["a", "b"], max_loaded=1)
+    a, b = runtime("a", "a", router), runtime("b", "b", router)
+    swaps, _ = swaps_of([a, b], router.log)
+    swaps._room(a).leaving.add("a")
+    with pytest.raises(ModelBusy):
+        await swaps.load(a)
+    assert router.log == []
