@@ -195,6 +195,8 @@ class ModelSwaps:
             for victim in free:
                 if excess <= 0:
                     break
+                if not room.free(victim.name) or _busy(victim):  # a request came in during an earlier unload
+                    continue
                 if await self._save_and_unload(victim, room, why=srv.name):
                     excess -= 1
                     ours.remove(victim)
