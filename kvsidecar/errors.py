@@ -33,6 +33,7 @@
     ├── TooManyConnections          KV_TOO_MANY_CONNECTIONS  a listener at max_connections, all busy
     ├── TooManyBodies               KV_TOO_MANY_BODIES       one credential's slow bodies at their cap
     ├── SlotBusy                    KV_SLOT_BUSY
+    │   └── ModelBusy               KV_MODEL_BUSY            no room on a router for its model in time
     ├── ShuttingDown                KV_SHUTTING_DOWN         SIGTERM while a request waited
     ├── SlotStateInvalid            KV_SLOT_STATE_INVALID
     ├── ConfigError                 KV_CONFIG_INVALID
@@ -260,6 +261,17 @@ class SlotBusy(KvError):
     default_hint = "All slots are leased; retry after Retry-After seconds."
 
 
+class ModelBusy(SlotBusy):
+    """A router's model could not be loaded within `model_wait_s`: every other model of ours the router
+    keeps loaded (`--models-max`) had a request in flight the whole time (docs/SWAPS.md)."""
+
+    code = "KV_MODEL_BUSY"
+    default_hint = (
+        "Every model the router may keep loaded is busy with a request; retry after Retry-After seconds, "
+        "or raise the router's --models-max."
+    )
+
+
 class ShuttingDown(KvError):
     code = "KV_SHUTTING_DOWN"
     default_hint = "kvsidecar is stopping; retry after Retry-After seconds (a restarted daemon restores)."
@@ -334,6 +346,7 @@ HTTP_STATUS: dict[str, int] = {
     TooManyBodies.code: 429,
     TooManyConnections.code: 503,
     SlotBusy.code: 503,
+    ModelBusy.code: 503,
     ShuttingDown.code: 503,
     SlotStateInvalid.code: 409,
     ConfigError.code: 500,

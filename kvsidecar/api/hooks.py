@@ -5,6 +5,7 @@ and release, the calls that run around every model call.
 from __future__ import annotations
 
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 from starlette.responses import Response
@@ -54,7 +55,7 @@ def _acquire_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
                 seq=body.seq,
                 caller=call.caller,
                 prefix_from=body.prefix_from,
-                prompt=await _prompt_tokens(coordinator, body),
+                prompt=partial(_prompt_tokens, coordinator, body),  # once let in: a router's model loaded
             )
             return result.to_dict()
 

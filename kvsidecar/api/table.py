@@ -17,6 +17,7 @@ from kvsidecar.errors import (
     InvalidSessionId,
     KvError,
     MetadataIO,
+    ModelBusy,
     OperationTimeout,
     RestoreFailed,
     SaveFailed,
@@ -32,7 +33,7 @@ from kvsidecar.store.naming import validate_session_id
 
 # SLOT: the route waits for a slot. STRICT: a save or restore failure, raised only with failure.strict
 # (otherwise it falls back to a cold start).
-SLOT: tuple[type[KvError], ...] = (SlotBusy, ShuttingDown)
+SLOT: tuple[type[KvError], ...] = (SlotBusy, ModelBusy, ShuttingDown)
 STRICT: tuple[type[KvError], ...] = (
     SnapshotNotFound,
     SnapshotIncompatible,

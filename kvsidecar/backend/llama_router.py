@@ -32,9 +32,9 @@ from typing import Any
 
 import httpx
 
-from kvsidecar.backend.base import BackendCapabilities
+from kvsidecar.backend.base import BackendCapabilities, TokenizerInfo
 from kvsidecar.backend.llama_body import read_json
-from kvsidecar.backend.llamacpp import LlamaCppBackend, _wire_json
+from kvsidecar.backend.llamacpp import LlamaCppBackend, _tokenizer_info, _wire_json
 from kvsidecar.errors import BackendUnavailable, KvError, OperationTimeout
 
 # The router's model states (server-models.cpp `server_model_status_to_string`); "sleeping" is a loaded
@@ -181,6 +181,9 @@ class RouterModelBackend(LlamaCppBackend):
         self._unloading = False  # an unload() of ours is in flight: the next unload seen is ours
         self._unloads: list[Unload] = []
         self._slots: int | None = None  # the slots the model's child had when last loaded
+        # the router keeps fewer models loaded than kvsidecar manages on it: this model's slots will be
+        # lost to an unload (its sessions are evicted as if they outnumbered its slots); set by ModelSwaps
+        self.crowded = False
 
     @classmethod
     def from_config(
@@ -228,6 +231,17 @@ class RouterModelBackend(LlamaCppBackend):
         return await super()._request(
             method, path, json_body=json_body, content=content, params=params, **kwargs
         )
+
+    async def tokenizer_info(self) -> TokenizerInfo:
+        """The router answers `GET /v1/models` itself, with every model it knows (a running one with its
+        child's `meta`, `n_vocab` included): this model's entry, never the first one listed."""
+        if self._tokenizer is None:
+            data = await self._request("GET", "/v1/models", what="tokenizer /v1/models")
+            entries = data.get("data") if isinstance(data, dict) else None
+            listed = entries if isinstance(entries, list) else []
+            mine = [e for e in listed if isinstance(e, dict) and e.get("id") == self.model]
+            self._tokenizer = _tokenizer_info({"data": mine[:1]})
+        return self._tokenizer
 
     def known_as(self, name: str) -> bool:
         """Whether the router, as last seen, runs this entry's model under `name` (an alias)."""

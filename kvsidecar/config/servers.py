@@ -43,6 +43,9 @@ class ServerConfig(Section):
     reserve_aux_slot: bool = False
     # how long an acquire waits for a free slot before KV_SLOT_BUSY (503 + Retry-After)
     slot_wait_s: float = Field(default=300.0, gt=0)
+    # a router's model (`model:`): how long an acquire waits for room on the router (the other models of
+    # ours it keeps loaded busy with requests) before KV_MODEL_BUSY (503 + Retry-After); docs/SWAPS.md
+    model_wait_s: float = Field(default=120.0, gt=0)
     connect_timeout_s: float = Field(default=2.0, gt=0)
     request_timeout_s: float = Field(default=10.0, gt=0)
     persist_timeout_s: float = Field(default=120.0, gt=0)

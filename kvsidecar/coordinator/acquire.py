@@ -34,12 +34,15 @@ from kvsidecar.coordinator.state import (
     SessionRuntime,
     Slot,
 )
+from kvsidecar.coordinator.swaps import ModelSwaps
 from kvsidecar.coordinator.switch import Switch
 from kvsidecar.coordinator.telemetry import Telemetry
 from kvsidecar.errors import LeaseNotFound, SlotBusy
 from kvsidecar.store.naming import SnapshotIdentity
 
 T = TypeVar("T")
+# a request's tokens read once its server can tokenize (a router's model is loaded by `enter` first)
+PromptSource = Callable[[], Awaitable[PromptTokens | None]]
 ReleaseStatus = Literal["ok", "error", "aborted"]
 
 
@@ -72,6 +75,9 @@ class Acquirer:
         self.api = api  # restart-only: a SIGHUP never changes it
         self.monotonic = monotonic
         self.acquire_timeout_s = acquire_timeout_s
+        # a router's models: an acquire is let in (room made on the router) before it waits for a slot, and
+        # counts as a user of its model until its lease ends (coordinator/swaps.py)
+        self.swaps: ModelSwaps | None = None
 
     async def acquire(
         self,
@@ -84,12 +90,47 @@ class Acquirer:
         donor: SnapshotIdentity | None = None,
         extends: bool = False,
         named: tuple[str, str] = (UNKNOWN_CLIENT, HOOK_SIGNAL),
-        prompt: PromptTokens | None = None,
+        prompt: PromptTokens | PromptSource | None = None,
     ) -> AcquireResult:
         """A lease on a slot of `srv` prepared for `identity` (None: an auxiliary request of `scope`; a
         session's scope is its identity's). `extends`: its prompt is known to extend the session's last one
         (coordinator/scope.py). `named`: the client and the signal that named the session (the session's
-        view shows them). `prompt`: the request's tokens, or why unknown (the start plan's, plan.py)."""
+        view shows them). `prompt`: the request's tokens, or why unknown (the start plan's, plan.py); or what
+        reads them, called once the acquire is let in (a router's model loaded: it tokenizes)."""
+        if self.swaps is not None:
+            await self.swaps.enter(srv, caller)
+        try:
+            if callable(prompt):
+                prompt = await prompt()
+            return await self._acquire(
+                srv,
+                identity,
+                seq=seq,
+                caller=caller,
+                scope=scope,
+                donor=donor,
+                extends=extends,
+                named=named,
+                prompt=prompt,
+            )
+        except BaseException:
+            if self.swaps is not None:
+                self.swaps.leave(srv)
+            raise
+
+    async def _acquire(
+        self,
+        srv: ServerRuntime,
+        identity: SnapshotIdentity | None,
+        *,
+        seq: int | None,
+        caller: Caller | None,
+        scope: str,
+        donor: SnapshotIdentity | None,
+        extends: bool,
+        named: tuple[str, str],
+        prompt: PromptTokens | None,
+    ) -> AcquireResult:
         key, session_id = (identity.key, identity.session_id) if identity else (None, None)
         lease = Lease(
             id=secrets.token_urlsafe(16),
@@ -198,6 +239,22 @@ class Acquirer:
         if lease is None:
             raise LeaseNotFound("no such lease (already released or expired)")
         srv = self.servers[lease.server]
+        try:
+            return self._released(srv, lease, status, prompt_tokens, cached_tokens, prompt_ms, held_tokens)
+        finally:
+            if self.swaps is not None:
+                self.swaps.leave(srv)  # its model may be unloaded now (its turn is marked unsaved above)
+
+    def _released(
+        self,
+        srv: ServerRuntime,
+        lease: Lease,
+        status: ReleaseStatus,
+        prompt_tokens: int | None,
+        cached_tokens: int | None,
+        prompt_ms: float | None,
+        held_tokens: int | None,
+    ) -> dict[str, Any]:
         slot = srv.slots.get(lease.slot_id)
         out: dict[str, Any] = {"released": True, "dirty": False}
         self.telemetry.released(lease, status, prompt_tokens, cached_tokens)

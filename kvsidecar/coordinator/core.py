@@ -24,9 +24,9 @@ from typing import Any, Literal, TypeVar
 
 from kvsidecar.backend.base import KvBackend
 from kvsidecar.backend.prompts import PromptTokens
-from kvsidecar.config import RESTART_ONLY, Config
+from kvsidecar.config import Config
 from kvsidecar.coordinator import views
-from kvsidecar.coordinator.acquire import Acquirer, ReleaseStatus
+from kvsidecar.coordinator.acquire import Acquirer, PromptSource, ReleaseStatus
 from kvsidecar.coordinator.caller import Caller
 from kvsidecar.coordinator.canary import sweep_canary_files
 from kvsidecar.coordinator.checkpoint import CheckpointPolicy
@@ -37,6 +37,7 @@ from kvsidecar.coordinator.leases import LeaseTable
 from kvsidecar.coordinator.operations import INVALIDATED, SessionOperations
 from kvsidecar.coordinator.ownership import KeyGate, KeyOwnership
 from kvsidecar.coordinator.pool import SlotPool
+from kvsidecar.coordinator.reconfig import applied
 from kvsidecar.coordinator.restore import Restorer
 from kvsidecar.coordinator.router_models import RouterModels
 from kvsidecar.coordinator.runtime import RuntimeGuard
@@ -97,7 +98,7 @@ class Coordinator:
         self.store = store
         self.metrics = metrics or Metrics()
         self.clock, self.monotonic = clock, monotonic
-        make = server_maker(config, process_finder, process_check, digests, monotonic, self._load_model)
+        make = server_maker(config, process_finder, process_check, digests, monotonic, self._wake)
         self.servers = build_servers(config, backends, make)  # a router's models found: router_models.py
         self.router_models = RouterModels(config=config, servers=self.servers, store=store, make=make)
         self.costs = CostModel()
@@ -178,10 +179,7 @@ class Coordinator:
             monotonic=self.monotonic,
             acquire_timeout_s=acquire_timeout_s,
         )
-        self.swaps = ModelSwaps(servers=self.servers, checkpoints=self.checkpoints, metrics=self.metrics)
-
-    async def _load_model(self, srv: ServerRuntime) -> None:
-        await self.swaps.load(srv)
+        self.swaps = ModelSwaps(self.servers, self.checkpoints, self.metrics, refresh=self.guard.refresh)
 
     def _compose_requests(self, acquire_timeout_s: float | None) -> None:
         """The parts that serve requests: the switch, the acquire path, the end of a lease nobody released,
@@ -210,6 +208,7 @@ class Coordinator:
             monotonic=self.monotonic,
             acquire_timeout_s=acquire_timeout_s,
         )
+        self.acquirer.swaps = self.swaps  # a router's models: room made before the slot (swaps.py)
         self.release = self.acquirer.release
         self.savepoints = SavePoints(self.acquirer, self.saver)  # the prompt's end, before the proxy forwards
         self.lease_ends = LeaseEnds(
@@ -230,7 +229,11 @@ class Coordinator:
             members=self.router_models.members,  # `checkpoint --server ENTRY`: a router's models discovered
         )
 
+    async def _wake(self, srv: ServerRuntime) -> None:
+        await self.swaps.load(srv)  # room made on a router before a model of it is loaded (swaps.py)
+
     def _given_back(self, srv: ServerRuntime) -> None:
+        self.swaps.given_back(srv)  # an unload of a router's model waiting for its slots looks again
         self.checkpoints.given_back(srv)
 
     # lifecycle ---------------------------------------------------------------------------------------
@@ -326,7 +329,7 @@ class Coordinator:
         signal: str = HOOK_SIGNAL,
         client: str = UNKNOWN_CLIENT,
         runs_on: str | None = None,
-        prompt: PromptTokens | None = None,
+        prompt: PromptTokens | PromptSource | None = None,
     ) -> AcquireResult:
         """`runs_on`: the model the call runs on when the label is not it (the proxy: the body's `model`;
         it picks a router's model, docs/SWAPS.md). `caller`: who waits (once gone, no lease). `scope`: the
@@ -412,16 +415,8 @@ class Coordinator:
 
     def reconfigure(self, config: Config) -> list[str]:
         """SIGHUP: apply what is safe to change live; return the restart-only keys that changed."""
-        needs_restart = [k for k in RESTART_ONLY if getattr(config, k) != getattr(self.config, k)]
-        live = config.model_copy(update={k: getattr(self.config, k) for k in needs_restart})
-        self.config = live
-        for part in (self.restorer, self.saver, self.checkpoints):
-            part.reconfigure(live)
-        for srv in self.servers.values():
-            srv.breaker.configure(
-                max_consecutive_failures=live.failure.max_consecutive_failures,
-                cooldown_s=live.failure.cooldown_s,
-            )
+        parts = (self.restorer, self.saver, self.checkpoints)
+        self.config, needs_restart = applied(self.config, config, parts, self.servers)
         return needs_restart
 
     def protected_keys(self) -> set[str]:

@@ -24,6 +24,7 @@ from dataclasses import replace
 from functools import partial
 
 from kvsidecar.backend.base import RestoreResult
+from kvsidecar.backend.llama_router import RouterModelBackend
 from kvsidecar.backend.prompts import PromptTokens
 from kvsidecar.config import Config
 from kvsidecar.coordinator.carry import CARRIED, CarryOver
@@ -175,7 +176,10 @@ class Restorer:
                 result.proved, result.expected_reuse = False, None
 
     def oversubscribed(self, srv: ServerRuntime) -> bool:
-        """Does `srv` know more sessions than it has slots (evictions to come)?"""
+        """Does `srv` know more sessions than it has slots, or is it a router's model that will be unloaded
+        (evictions to come)?"""
+        if isinstance(srv.backend, RouterModelBackend) and srv.backend.crowded:
+            return True
         return sum(1 for r in self.sessions.by_key.values() if r.identity.server == srv.name) > len(srv.slots)
 
     def _unavailable(self, srv: ServerRuntime, result: AcquireResult) -> None:

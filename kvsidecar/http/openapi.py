@@ -29,6 +29,7 @@ from kvsidecar.errors import (
     BadRequest,
     InvariantViolation,
     KvError,
+    ModelBusy,
     PayloadTooLarge,
     ShuttingDown,
     SlotBusy,
@@ -38,7 +39,12 @@ from kvsidecar.errors import (
 from kvsidecar.http.routes import Param, Route, path_params
 
 BEARER = "bearer"  # the security scheme's name in the document
-_RETRY = {SlotBusy.code, ShuttingDown.code, TooManyConnections.code}  # 503s that say Retry-After
+_RETRY = {
+    SlotBusy.code,
+    ModelBusy.code,
+    ShuttingDown.code,
+    TooManyConnections.code,
+}  # 503s that say Retry-After
 
 
 class ErrorDetail(BaseModel):

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -341,7 +342,7 @@ class Proxy:
         try:
             self._check_unpinned(call)
             donor = self.sessions.donor(call)
-            prompt = await self._prompt_tokens(call, provider, donor=donor is not None)
+            prompt = partial(self._prompt_tokens, call, provider, donor=donor is not None)  # once let in
             return await self.coordinator.acquire(
                 call.session,
                 provider=provider,

@@ -9,8 +9,11 @@ reported (log event, status, metric) and its session comes back from its last sn
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ from kvsidecar.testing.poll import eventually
 from kvsidecar.testing.router import LlamaRouter, models_dir
 
 TURN_TOKENS = 300
+LONG_TOKENS = 200  # a turn still generating when the other client's request arrives
 
 
 @pytest.fixture
@@ -223,5 +227,55 @@ def test_a_model_added_to_the_routers_directory_is_discovered_and_swaps_without_
         views = s.status()["router_models"]
         assert views["local.gamma"]["unloads"] == {"kvsidecar": 1}, views
         assert "kv.router.model_discovered" in daemon.log()
+    finally:
+        daemon.stop()
+
+
+def stream(daemon: DaemonProcess, session: str, model: str, started: threading.Event) -> dict[str, Any]:
+    """A long streamed turn through the proxy; `started` is set once its first tokens arrived (the request
+    is then running on the model's child). Returns its last event (`stop`, `tokens_predicted`, timings)."""
+    body = {
+        "model": model,
+        "prompt": words(session, TURN_TOKENS),
+        "n_predict": LONG_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "cache_prompt": True,
+        "temperature": 0,
+    }
+    headers = {**daemon.auth, "X-Session-Id": session}
+    last: dict[str, Any] = {}
+    with httpx.stream("POST", f"{daemon.proxy_url}/completion", json=body, headers=headers, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                last = json.loads(line[6:])
+                started.set()
+    return last
+
+
+def test_two_clients_on_two_models_at_once_wait_for_each_other(router: LlamaRouter, tmp_path: Path) -> None:
+    """Two clients at the same moment on two models, `--models-max 1`: the request for beta arrives while
+    alpha's is generating. It waits until alpha's is released; then alpha is saved and unloaded by kvsidecar
+    and beta loaded. Neither request fails, the router never unloads a model on its own (no `cause=router`:
+    nothing unsaved, nothing under a request), and alpha's session comes back restored."""
+    daemon = daemon_for(router, tmp_path / "d").start()
+    try:
+        s = Sessions(daemon)
+        started = threading.Event()
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            long = pool.submit(stream, daemon, "A1", "alpha", started)
+            assert started.wait(timeout=120), "alpha's streamed turn never started"
+            other = pool.submit(s.turn, "B1", "beta")  # alpha's request is still generating
+            last = long.result(timeout=300)
+            assert other.result(timeout=300)[0] == "cold"
+        assert last.get("stop") is True and last["tokens_predicted"] == LONG_TOKENS, last  # never cut
+        assert router.states() == {"alpha": "unloaded", "beta": "loaded"}
+        views = s.status()["router_models"]
+        assert views["local"]["unloads"] == {"kvsidecar": 1} and views["beta"]["unloads"] == {}, views
+        assert [views[n]["in_use"] for n in ("local", "beta")] == [0, 0], views  # both leases released
+        # alpha's session was saved before its unload: its next turn restores it, its prompt reused
+        outcome, _, cache_n = s.turn("A1", "alpha")
+        assert outcome == "restored" and cache_n >= 0.95 * last["timings"]["prompt_n"], (outcome, cache_n)
     finally:
         daemon.stop()

@@ -237,3 +237,17 @@ def test_server_entries_of_a_router_s_models() -> None:
         "mode": "managed-slots",
     }
     assert entries["org-coder_Q4"]["mode"] == "single-slot" and "snapshot_dir" not in entries["org-coder_Q4"]
+
+
+async def test_the_vocabulary_is_the_models_own_entry_of_the_routers_list() -> None:
+    """The router answers `GET /v1/models` itself, listing every model; only a running one carries its
+    child's `meta`. The model's own entry gives its vocabulary, whatever is listed first."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/models"
+        first = {"id": "other", "architecture": {"input_modalities": ["text"]}}  # unloaded: no meta
+        mine = {"id": "m", "meta": {"n_vocab": 321}, "architecture": {"input_modalities": ["text"]}}
+        return httpx.Response(200, json={"data": [first, mine]})
+
+    b = RouterModelBackend(model="m", base_url="http://router", transport=httpx.MockTransport(handle))
+    assert (await b.tokenizer_info()).n_vocab == 321

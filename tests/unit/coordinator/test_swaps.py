@@ -5,6 +5,7 @@ each unload is counted once by its cause."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -12,6 +13,7 @@ import httpx
 from kvsidecar.backend.llama_router import RouterModelBackend
 from kvsidecar.config import ServerConfig
 from kvsidecar.coordinator.breaker import CircuitBreaker
+from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.server import ServerRuntime
 from kvsidecar.coordinator.swaps import UNLOAD, ModelSwaps
 from kvsidecar.metrics import Metrics
@@ -59,17 +61,20 @@ class Router:
 class Checkpoints:
     def __init__(self, log: list[str]) -> None:
         self.log = log
+        self.pool = SlotPool(is_dirty=lambda key: False, monotonic=time.monotonic)
 
     async def checkpoint_all(self, trigger: str, *, server: str | None = None) -> list[Any]:
         self.log.append(f"save:{server}:{trigger}")
         return []
 
 
-def runtime(name: str, model: str, router: Router, url: str = "http://router") -> ServerRuntime:
+def runtime(
+    name: str, model: str, router: Router, url: str = "http://router", **config: Any
+) -> ServerRuntime:
     backend = RouterModelBackend(model=model, base_url=url, transport=httpx.MockTransport(router.handle))
     return ServerRuntime(
         name=name,
-        config=ServerConfig(base_url=url, model=model),
+        config=ServerConfig(base_url=url, model=model, **config),
         backend=backend,
         breaker=CircuitBreaker(max_consecutive_failures=3, cooldown_s=1.0, clock=lambda: 0.0),
         process_finder=None,
