@@ -28,10 +28,12 @@ erased when the verdict says so, and the request is refused (KV_BACKEND_UNAVAILA
 The operator's scope (`HOOK_SCOPE`) is trusted: KV flowing into it is no leak (it can read every slot), KV
 flowing out of it is (rule 2; rule 3 counts it as another scope).
 
-Within one scope no request costs more than it would with llama-server alone (`ScopeGate.park`): before
-kvsidecar replaces KV that no session owns (a title's, say) with a restore, it hands it to the RAM cache as
-llama-server would; and a request about to run on an empty slot gets a slot that is not empty, so that
-llama-server looks in its RAM cache as it would for a request it placed itself.
+Within one scope no request costs more than it would with llama-server alone (`ScopeGate.park`, one token
+of kvsidecar's own): right before kvsidecar replaces KV that no session owns (a title's, say; a session's
+too on a hybrid or SWA model) with a restore, a carry-over or an erase, it hands it to the RAM cache as
+llama-server would (`arm`, `hand_off`; a switch that keeps the slot's KV leaves that to llama-server); and a
+request about to run on an empty slot gets a slot that is not empty, where that cache may hold anything, so
+that llama-server looks there as it would for a request it placed itself.
 """
 
 from __future__ import annotations
