@@ -180,6 +180,25 @@ async def test_a_switch_hands_a_non_plain_sessions_kv_to_the_ram_cache_only_when
         await h.coordinator.aclose()
 
 
+async def test_a_hybrid_sessions_kv_is_handed_to_the_ram_cache_before_an_erase_replaces_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `restore.share_prefix` off a new session starts on an erased slot: the evicted session's KV is
+    parked first (one token), then erased; nothing is primed (sharing is off)."""
+    _hybrid(monkeypatch)
+    h = await start_harness(tmp_path, restore={"share_prefix": False})
+    try:
+        h.process[0] = process()  # seen: its settings say the RAM cache is on
+        await h.coordinator.guard.refresh(h.coordinator.servers["local"], force=True)
+        await _run(h, "A", conversation("A", 1))
+        h.calls()
+        b = conversation("B", 1)
+        r = await _run(h, "B", b, b)
+        assert r.plan == plan.ERASE and h.calls() == ["save", "prompt", "erase"], r
+    finally:
+        await h.coordinator.aclose()
+
+
 async def test_hybrid_restores_the_older_point_that_the_prompt_extends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
