@@ -66,7 +66,11 @@ def run_counted(
     way = "behind" if through else "alone"
     llama = server(llama_bin, model, tmp, f"{way}-{case.label}", (*case.flags, "--metrics")).start()
     try:
-        daemon = proxy_daemon(llama, tmp / f"kv-{case.label}") if through else None
+        # every switch saves the evicted session: the cost-aware policy may skip that save when recomputing
+        # the turn's few generated tokens is measured faster, and then the next restore is of the turn's
+        # prompt point, 8 tokens short of the RAM cache's copy: a timing decision, not the hand-off's cost
+        policy = {"policy": "save-before-evict"}
+        daemon = proxy_daemon(llama, tmp / f"kv-{case.label}", checkpoint=policy) if through else None
         try:
             url = daemon.proxy_url if daemon is not None else llama.base_url
             if daemon is not None:  # the canary, measured once the daemon sees the server
