@@ -112,6 +112,7 @@ class ColdStart:
         self.telemetry.cold(srv.name, result.outcome, result.reason)
 
     async def _erase(self, srv: ServerRuntime, slot: Slot, result: AcquireResult) -> bool:
+        await self.guard.scopes.hand_off(srv, slot)  # what the slot holds goes to the RAM cache first
         try:
             async with self.persist.persisting(srv, "erase", slot=slot) as op:
                 await op.call(srv.backend.erase_slot(slot.id))
@@ -190,6 +191,7 @@ class ColdStart:
             return "none", None
         if candidate.generation != point:  # the donor saved again since the plan: not the point it proved
             return "moved", None
+        await self.guard.scopes.hand_off(srv, slot)  # what the slot holds goes to the RAM cache first
         mark = self.guard.mark(srv, fingerprint)
         called = False
         try:

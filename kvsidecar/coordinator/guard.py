@@ -24,7 +24,7 @@ breaker, holds its half-open trial, bounds a call to the server or records a ver
 The kinds (`_RULES`): `save` (gated, judged: the write and its commit; an overlapped commit carries the
 operation with it, save.py), `load` (gated, not judged: a session's restore or cold start, the gate of its
 steps, which are judged on their own), `restore` and `erase` (judged), `canary` (bound only: its failures
-are the canary's own, counted in `canary_failures`), `park` (bound only: scope.py's few tokens that hand
+are the canary's own, counted in `canary_failures`), `park` (bound only: scope.py's one token that hands
 a slot's KV to llama-server's RAM cache, best effort).
 """
 
@@ -67,7 +67,7 @@ _RULES: dict[str, _Rule] = {
     "restore": _Rule(gated=False, judged=True, not_counted=(RestoreFailed,)),
     "erase": _Rule(gated=False, judged=True),
     "canary": _Rule(gated=False, judged=False),
-    "park": _Rule(gated=False, judged=False),  # kvsidecar's few tokens on a slot (scope.py): best effort
+    "park": _Rule(gated=False, judged=False),  # kvsidecar's one token on a slot (scope.py): best effort
 }
 
 

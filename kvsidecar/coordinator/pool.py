@@ -282,7 +282,7 @@ class SlotPool:
 
     @staticmethod
     def touched(slot: Slot, tokens: int | None = None) -> None:
-        """A request ran on the slot (a lease ended, or kvsidecar's own few tokens): it is not known to be
+        """A request ran on the slot (a lease ended, or kvsidecar's own token, `park`): it is not known to be
         empty any more (`tokens`: its size when known)."""
         slot.tokens = tokens or None
 

@@ -239,6 +239,7 @@ class Restorer:
         if candidate is None and rejections:
             # Saved under another llama.cpp build: carried over when the new build is proven to compute
             # the same KV (a new generation of ours), then found and restored like any other.
+            await self.guard.scopes.hand_off(srv, slot)  # the carry-over writes into the slot
             why = await self.carry.carry(op, srv, slot, rt, rejections, fingerprint)
             if why is None:
                 candidates, rejections = await self._find(srv, rt, fingerprint)
@@ -291,6 +292,7 @@ class Restorer:
         result: AcquireResult,
         fallback_reason: str | None,
     ) -> bool:
+        await self.guard.scopes.hand_off(srv, slot)  # what the slot holds goes to the RAM cache first
         self.telemetry.restore_start(srv.name, slot.id, rt, candidate)
         self.sessions.apply(rt, SessionEvent.RESTORE_BEGIN)
         mark = self.guard.mark(srv, fingerprint)

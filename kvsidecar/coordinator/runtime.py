@@ -153,6 +153,8 @@ class RuntimeGuard:
             return
         if own:
             self.disown(ref)
+        else:  # the caller's slot, about to be erased: what it holds goes to the RAM cache first
+            await self.scopes.hand_off(srv, ref)
         epoch = self.epoch(srv)
         try:
             held = self.sessions.store.snapshot_anchor(srv.name) or srv.config.snapshot_dir

@@ -28,10 +28,12 @@ erased when the verdict says so, and the request is refused (KV_BACKEND_UNAVAILA
 The operator's scope (`HOOK_SCOPE`) is trusted: KV flowing into it is no leak (it can read every slot), KV
 flowing out of it is (rule 2; rule 3 counts it as another scope).
 
-Within one scope no request costs more than it would with llama-server alone (`ScopeGate.park`): before
-kvsidecar replaces KV that no session owns (a title's, say) with a restore, it hands it to the RAM cache as
-llama-server would; and a request about to run on an empty slot gets a slot that is not empty, so that
-llama-server looks in its RAM cache as it would for a request it placed itself.
+Within one scope no request costs more than it would with llama-server alone (`ScopeGate.park`, one token
+of kvsidecar's own): right before kvsidecar replaces KV that no session owns (a title's, say; a session's
+too on a hybrid or SWA model) with a restore, a carry-over or an erase, it hands it to the RAM cache as
+llama-server would (`arm`, `hand_off`; a switch that keeps the slot's KV leaves that to llama-server); and a
+request about to run on an empty slot gets a slot that is not empty, where that cache may hold anything, so
+that llama-server looks there as it would for a request it placed itself.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ from kvsidecar.fingerprint.identity import RuntimeKey
 from kvsidecar.fingerprint.llama_process import ProcessInfo
 from kvsidecar.store.naming import HOOK_SCOPE
 
-# kvsidecar's own prompt that leaves a slot non-empty (a few tokens; the request after it keeps none of them)
+# kvsidecar's own prompt that leaves a slot non-empty: its first token only (no BOS), so that a park computes
+# one token and the request after it keeps none of it (`ScopeGate.park`)
 PARK_PROMPT = "kvsidecar"
 ISOLATED = "isolated"  # AcquireResult.reason of a session whose own KV rule 3 erased (X-KV-Reason ISOLATED)
 SEVERAL = 2  # distinct scopes a ledger keeps: with two, every scope has another beside it
@@ -159,6 +162,7 @@ class ScopeGate:
         self.persist = persist
         self.telemetry = telemetry
         self.ledger = ledger
+        self._due: dict[tuple[str, int], tuple[str | None, bool]] = {}  # armed hand-offs (`arm`)
 
     async def first_sight(self, srv: ServerRuntime) -> None:
         """An instance seen for the first time (kvsidecar started, or the server restarted). Its RAM cache is
@@ -230,7 +234,7 @@ class ScopeGate:
         found = self.judge(srv, self.held(slot, incoming, own=own), incoming)
         if found is not Verdict.RUN:
             await self.erase(srv, slot, found, result)
-        elif prime and slot.tokens == 0 and self._ram_usable(srv, incoming.scope):
+        elif prime and slot.tokens == 0 and self._ram_usable(srv, incoming.scope) and self._ram_filled(srv):
             await self.park(srv, slot, "prime")
         self.ledger.ran(srv, incoming.scope)
 
@@ -254,6 +258,22 @@ class ScopeGate:
         result.actions.append("erase")
         self.telemetry.isolation(srv.name, slot.id, "erase", why.value)
 
+    def arm(self, srv: ServerRuntime, slot: Slot, held_by: str | None, *, owned_too: bool = False) -> None:
+        """A switch may replace what the slot holds: `hand_off` runs `before_replace` right before a
+        restore, a carry-over or an erase does (restore.py, coldstart.py, runtime.py's canary). A switch that
+        keeps the slot's KV instead `disarm`s it: llama-server itself then hands that KV to its RAM cache when
+        the next request keeps less than half of it, as it does alone, and no park is computed."""
+        self._due[(srv.name, slot.id)] = (held_by, owned_too)
+
+    def disarm(self, srv: ServerRuntime, slot: Slot) -> None:
+        self._due.pop((srv.name, slot.id), None)
+
+    async def hand_off(self, srv: ServerRuntime, slot: Slot) -> None:
+        """kvsidecar replaces what the slot holds now: the armed hand-off, once."""
+        due = self._due.pop((srv.name, slot.id), None)
+        if due is not None:
+            await self.before_replace(srv, slot, due[0], owned_too=due[1])
+
     async def before_replace(
         self, srv: ServerRuntime, slot: Slot, held_by: str | None, *, owned_too: bool = False
     ) -> None:
@@ -270,6 +290,11 @@ class ScopeGate:
             return
         await self.park(srv, slot, "park")
 
+    def _ram_filled(self, srv: ServerRuntime) -> bool:
+        """May the RAM cache hold anything? Not when no request ran on this instance since it was seen
+        fresh (`ScopeLedger.fresh`: nothing was ever handed to it): a prime there computes for nothing."""
+        return self.ledger.seen(srv) != frozenset()
+
     def _ram_usable(self, srv: ServerRuntime, scope: str) -> bool:
         """llama-server's RAM cache is on, and may give this scope what it holds."""
         if not ram_lookups(srv.process, remote=False):
@@ -277,13 +302,15 @@ class ScopeGate:
         return scope == HOOK_SCOPE or not self.ram_shared(srv, scope)
 
     async def park(self, srv: ServerRuntime, slot: Slot, why: str) -> None:
-        """A few tokens of kvsidecar's own on the held slot: llama-server copies what the slot held into its
-        RAM cache (the prompt keeps none of it), and the slot is left non-empty, so that the next request
-        pinned to it looks in that cache. Best effort: a failure costs warmth only."""
+        """One token of kvsidecar's own on the held slot (`park_prompt`): llama-server copies what the slot
+        held into its RAM cache as the task starts (`get_available_slot` of 11434: the prompt keeps none of
+        it, less than half), and computes that one token; the slot is left non-empty and sharing no prefix
+        with any request, so that the next request pinned to it looks in that cache and finds there what
+        it would have found alone. Best effort: a failure costs warmth only."""
         left: int | None = None
         try:
             async with self.persist.persisting(srv, "park", slot=slot) as op:
-                done = await op.call(srv.backend.run_prompt(slot.id, PARK_PROMPT))
+                done = await op.call(srv.backend.run_prompt(slot.id, await park_prompt(srv)))
             left = done.computed + done.reused
         except KvError as exc:
             self.telemetry.isolation(srv.name, slot.id, "park_failed", exc.code)
@@ -291,3 +318,15 @@ class ScopeGate:
         finally:  # whatever it holds now, it is not known to be empty (its size: a lease's baseline)
             self.pool.touched(slot, left)
         self.telemetry.isolation(srv.name, slot.id, why, "same_scope")
+
+
+async def park_prompt(srv: ServerRuntime) -> str | list[int]:
+    """`PARK_PROMPT`'s first token, without the BOS: a prompt of one token that no request starts with (a
+    text prompt gets the BOS, which every request shares: the slot would then keep 1 of its 2 tokens for
+    the next request, so llama-server would find nothing better in its cache). The text when the server
+    cannot tokenize."""
+    try:
+        ids = await srv.backend.tokenize(PARK_PROMPT, add_special=False, parse_special=False)
+    except KvError:
+        return PARK_PROMPT
+    return ids[:1] or PARK_PROMPT

@@ -130,11 +130,15 @@ class Switch:
             self.telemetry.switch(srv.name, slot.id, rt, result.evicted)
             held_by = evicted.key if evicted is not None else None
             # a model whose snapshots a next prompt may not use (not plain): the RAM cache keeps the evicted
-            # session's KV with its checkpoints, as llama-server alone would (coordinator/plan.py)
+            # session's KV, with its checkpoints, as llama-server alone would (coordinator/plan.py); handed
+            # over only if a restore or an erase replaces it (`ScopeGate.arm`: a kept slot needs no park)
             owned_too = (await self.restorer.planner.memory(srv)).kind != PLAIN_CLASS
-            await self.gate.before_replace(srv, slot, held_by, owned_too=owned_too)
-            await self.restorer.load(
-                srv, slot, rt, result, donor=donor, held_by=held_by, own=own, share=share, prompt=prompt
-            )
+            self.gate.arm(srv, slot, held_by, owned_too=owned_too)
+            try:
+                await self.restorer.load(
+                    srv, slot, rt, result, donor=donor, held_by=held_by, own=own, share=share, prompt=prompt
+                )
+            finally:
+                self.gate.disarm(srv, slot)
         if evicted is not None:  # the evicted session's save commits meanwhile (save.py `overlap`)
             await Saver.wait_commit(evicted)

@@ -14,6 +14,7 @@ from kvsidecar.coordinator.scope import (
     SlotKv,
     Verdict,
     keeps_half,
+    park_prompt,
     ram_lookups,
     verdict,
 )
@@ -268,8 +269,14 @@ async def test_an_empty_slot_is_primed_only_where_the_ram_cache_may_help(tmp_pat
         await h.coordinator.guard.refresh(h.coordinator.servers["local"], force=True)
         h.fake.calls.clear()
         r = await h.coordinator.acquire(None, provider="local", model="m", purpose="t", scope="kbob")
-        assert ("prompt", 0, None) in h.fake.calls  # the canary left it empty: primed
-        assert len(h.fake.slot_tokens(0)) == len(PARK_PROMPT.split())  # kvsidecar's few tokens
+        # a fresh instance: nothing ran on it, its RAM cache is empty, a prime would compute for nothing
+        assert "prompt" not in [c[0] for c in h.fake.calls]
+        await h.coordinator.release(r.lease_id or "", status="aborted")
+        await h.coordinator.guard.refresh(h.coordinator.servers["local"], force=True)  # a canary again
+        h.fake.calls.clear()
+        r = await h.coordinator.acquire(None, provider="local", model="m", purpose="t", scope="kbob")
+        assert ("prompt", 0, None) in h.fake.calls  # the canary left it empty, kbob ran before: primed
+        assert len(h.fake.slot_tokens(0)) == 1  # one token of kvsidecar's (PARK_PROMPT's first, no BOS)
         await h.coordinator.release(r.lease_id or "", status="aborted")
         await held(h, None, "kalice")  # a second scope: from now on the empty slot is the protection
         h.fake.calls.clear()
@@ -277,4 +284,20 @@ async def test_an_empty_slot_is_primed_only_where_the_ram_cache_may_help(tmp_pat
         assert [c[0] for c in h.fake.calls] == ["erase"] and h.fake.slot_tokens(0) == []
         await h.coordinator.release(r.lease_id or "", status="aborted")
     finally:
+        await h.coordinator.aclose()
+
+
+async def test_a_park_is_one_token_that_no_request_starts_with(tmp_path: Path) -> None:
+    """The park's prompt: the first token of PARK_PROMPT without the BOS (a text prompt would get the BOS,
+    which every request shares, and cost a second token); the text when the server cannot tokenize."""
+    h = await start_harness(tmp_path, total_slots=1)
+    try:
+        srv = h.coordinator.servers["local"]
+        bare = await h.fake.tokenize(PARK_PROMPT, add_special=False, parse_special=False)
+        with_bos = await h.fake.tokenize(PARK_PROMPT, add_special=True, parse_special=False)
+        assert await park_prompt(srv) == bare[:1] and bare[:1] != with_bos[:1]
+        h.fake.knobs.unavailable = True
+        assert await park_prompt(srv) == PARK_PROMPT
+    finally:
+        h.fake.knobs.unavailable = False
         await h.coordinator.aclose()

@@ -150,12 +150,14 @@ async def test_planner_remembers_the_instance_a_session_ran_on(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("hybrid", [True, False])
-async def test_a_switch_hands_a_non_plain_sessions_kv_to_the_ram_cache(
+async def test_a_switch_hands_a_non_plain_sessions_kv_to_the_ram_cache_only_when_it_replaces_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hybrid: bool
 ) -> None:
-    """llama-server alone copies a slot's KV (with its checkpoints) into its RAM cache before another
-    prompt replaces it. On a hybrid model kvsidecar does the same for the session it evicts (its next
-    prompt may not be able to use its snapshot); on plain attention the snapshot serves, nothing is parked."""
+    """llama-server alone copies a slot's KV (with its checkpoints) into its RAM cache when a prompt that
+    keeps less than half of it takes the slot. On a hybrid model kvsidecar hands the session it evicts to
+    that cache (one token of its own, `park`) only when a restore is about to replace it: a session that
+    starts from the slot's KV (B, new) leaves that to llama-server, as alone, and costs nothing. On plain
+    attention the snapshot serves, nothing is parked."""
     if hybrid:
         _hybrid(monkeypatch)
     h = await start_harness(tmp_path)
@@ -164,10 +166,35 @@ async def test_a_switch_hands_a_non_plain_sessions_kv_to_the_ram_cache(
         await h.coordinator.guard.refresh(h.coordinator.servers["local"], force=True)
         await _run(h, "A", conversation("A", 1))
         h.calls()
-        await _run(h, "B", conversation("B", 1))
+        b = conversation("B", 1)
+        r = await _run(h, "B", b, b)
+        assert r.plan == plan.KEEP and h.calls() == ["save"]  # the slot kept: no park
+        a = conversation("A", 2)  # extends A's point strictly: restored (B saved and evicted first)
+        r = await _run(h, "A", a, a)
         calls = h.calls()
-        assert calls[0] == "save"
+        assert r.outcome is Outcome.RESTORED, r
         assert ("prompt" in calls) is hybrid, calls
+        if hybrid:
+            assert calls.index("prompt") < calls.index("restore"), calls
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_a_hybrid_sessions_kv_is_handed_to_the_ram_cache_before_an_erase_replaces_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `restore.share_prefix` off a new session starts on an erased slot: the evicted session's KV is
+    parked first (one token), then erased; nothing is primed (sharing is off)."""
+    _hybrid(monkeypatch)
+    h = await start_harness(tmp_path, restore={"share_prefix": False})
+    try:
+        h.process[0] = process()  # seen: its settings say the RAM cache is on
+        await h.coordinator.guard.refresh(h.coordinator.servers["local"], force=True)
+        await _run(h, "A", conversation("A", 1))
+        h.calls()
+        b = conversation("B", 1)
+        r = await _run(h, "B", b, b)
+        assert r.plan == plan.ERASE and h.calls() == ["save", "prompt", "erase"], r
     finally:
         await h.coordinator.aclose()
 
