@@ -115,12 +115,14 @@ def main() -> None:
     plain = generate_llama_model(TINY, vocab_dir=vocab_dir(binary))
     started = time.monotonic()
     results: dict[str, Any] = {}
+    script = {**Script(turns=args.turns).__dict__, "workloads": args.workloads}
     with tempfile.TemporaryDirectory() as tmp:
         for case in CLASSES:
             if case.label in args.classes:
                 model = model_for(case, binary, plain)
                 results[case.label] = one_class(binary, model, Path(tmp), case, args.workloads, args.turns)
-    script = {**Script(turns=args.turns).__dict__, "workloads": args.workloads}
+                elapsed = round(time.monotonic() - started, 1)  # written per class: a long run keeps its part
+                write(args.name, {"script": script, "classes": results, "elapsed_s": elapsed})
     elapsed = round(time.monotonic() - started, 1)
     print(write(args.name, {"script": script, "classes": results, "elapsed_s": elapsed}))
 

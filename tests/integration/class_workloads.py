@@ -102,8 +102,17 @@ def canary_tokens(llama: LlamaServer) -> int:
 
 
 def saves(daemon: DaemonProcess) -> int:
+    """Saves made, and saves skipped because nothing could restore them (SWA without `--swa-full`): either
+    tells that the idle checkpoint has judged the session."""
     r = httpx.get(f"{daemon.url}/v1/status", headers=daemon.auth, timeout=30)
-    return int(r.json()["stats"]["saves"])
+    made = int(r.json()["stats"]["saves"])
+    text = httpx.get(f"{daemon.url}/metrics", headers=daemon.auth, timeout=30).text
+    skipped = sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith("kvsidecar_save_skipped_total{")
+    )
+    return made + skipped
 
 
 def two_sessions(target: Target, script: Script) -> list[Turn]:
@@ -117,7 +126,7 @@ def restart(target: Target, script: Script) -> list[Turn]:
     driver = target.driver(script)
     for s in script.sessions:
         driver.turn(target.url, s, 0)
-    if target.daemon is not None:  # the last session's idle checkpoint (the others were saved as evicted)
+    if target.daemon is not None:  # the last session's idle checkpoint (the others were judged as evicted)
         daemon, before = target.daemon, saves(target.daemon)
         eventually(lambda: saves(daemon) > before, timeout_s=60, interval_s=0.1, what="the idle checkpoint")
     target.restart()
