@@ -144,21 +144,25 @@ def section(d: dict[str, Any]) -> list[str]:
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['date']}; `bench/bench_plan_classes.py`, one run. Prompt "
         "tokens computed in all, by llama-server's own count (`llamacpp:prompt_tokens_total`, so kvsidecar's "
         "prefills and hand-offs count), and the median TTFT in seconds (a request's wall time less its "
-        "generation), alone with llama-server's defaults / alone with `--cache-ram 0` / through kvsidecar. In "
-        "brackets, what of kvsidecar's count was its runtime canary (a fixed prompt prefilled once per "
-        "llama-server process it meets, coordinator/canary.py).",
+        "generation), alone with llama-server's defaults / alone with `--cache-ram 0` / through kvsidecar. Of "
+        "kvsidecar's count: its runtime canary (a fixed prompt prefilled once per llama-server process it meets, "
+        "coordinator/canary.py), and what its requests computed by their own timings (`timings.prompt_n` plus "
+        "`X-KV-Prompt-Point-Computed`; the rest is its parks, a few tokens per switch). The restart rows time "
+        "the turns after the restart.",
         "",
-        "| workload | class | alone, defaults | alone, `--cache-ram 0` | through kvsidecar | median TTFT s |",
-        "|---|---|---:|---:|---:|---|",
+        "| workload | class | alone, defaults | alone, `--cache-ram 0` | through kvsidecar | of which: canary "
+        "/ requests | median TTFT s |",
+        "|---|---|---:|---:|---:|---:|---|",
     ]
     for workload, title in TITLES.items():
         for label, row in d["classes"].items():
             if workload in row:
                 r = row[workload]
+                k = r["kvsidecar"]
                 ttft = " / ".join(f"{r[w]['median_ttft_s']:.2f}" for w in WAYS)
-                counts = " | ".join(f"{r[w]['computed']:,}" for w in WAYS[:2])
-                counts += f" | {r['kvsidecar']['computed']:,} ({r['kvsidecar']['canary']})"
-                out.append(f"| {title} | {label} | {counts} | {ttft} |")
+                counts = " | ".join(f"{r[w]['computed']:,}" for w in WAYS)
+                requests = "—" if workload == "restart" else f"{k['requests_computed']:,}"
+                out.append(f"| {title} | {label} | {counts} | {k['canary']} / {requests} | {ttft} |")
     out += [
         "",
         "After the restart, what the sessions' second turns reused, beside what they reuse on a resident slot "
