@@ -699,22 +699,9 @@ def section_router(d: dict[str, Any]) -> list[str]:
 
 
 def section_plan_classes(d: dict[str, Any]) -> list[str]:
-    """Two sessions on one slot per memory class, three ways (bench/bench_plan_classes.py)."""
-    ways = ("alone", "alone-no-cache", "kvsidecar")
-    out = [
-        "## What each memory class starts from: two sessions on one slot, three ways",
-        "",
-        f"`bench/bench_plan_classes.py`, {d['script']['turns']} turns per session, one run. Prompt tokens "
-        "computed in all (`timings.prompt_n` summed) and the median seconds per turn (alone with llama-server's "
-        "defaults / alone with `--cache-ram 0` / through kvsidecar).",
-        "",
-        "| class | alone, defaults | alone, `--cache-ram 0` | through kvsidecar | median turn s |",
-        "|---|---:|---:|---:|---|",
-    ]
-    for label, row in d["classes"].items():
-        times = " / ".join(f"{row[w]['median_turn_s']:.2f}" for w in ways)
-        out.append(f"| {label} | " + " | ".join(f"{row[w]['computed']:,}" for w in ways) + f" | {times} |")
-    return [*out, ""]
+    from bench_plan_classes import section  # bench/ is on sys.path when this script runs
+
+    return section(d)
 
 
 def notes(name: str) -> list[str]:
