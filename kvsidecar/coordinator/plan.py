@@ -264,22 +264,33 @@ def plan_start(f: StartFacts) -> StartPlan:
 def wants_prompt_point(f: StartFacts) -> bool:
     """A save at the prompt's end (its tokens but the last, before generation) is the point that the next
     turn's prompt extends strictly even when the template re-renders the last assistant message or drops
-    its reasoning: worth its cost (a prefill-only call and a save on the critical path) only where a restore
-    needs a strict extension (hybrid, recurrent, SWA with --swa-full; not a class that could not be read),
-    the prompt's tokens are known, the session may run on its own snapshot, and it is likely to be evicted
-    (the server knows more sessions than it has slots)."""
+    its reasoning. It is taken only where a restore needs a strict extension (hybrid, recurrent, SWA with
+    --swa-full; not a class that could not be read), the prompt's tokens are known and the session may run on
+    its own snapshot; and then when the session is likely to be evicted (the server knows more sessions than
+    it has slots), or, since any session may outlive llama-server's process (a restart, a swap, a crash), when
+    the point is cheap: its save (a prefill-only call is work the request does anyway) costs at most
+    `POINT_SHARE` of the prefill it would spare (`point_cheap`)."""
     classes = f.model.kind in (HYBRID_CLASS, RECURRENT_CLASS) or (
         f.model.kind == SWA_CLASS and f.model.swa_full
     )
     tokens = f.prompt.tokens
-    return (
-        classes
-        and tokens is not None
-        and len(tokens) >= 2
-        and f.flags.restore_enabled
-        and f.flags.own
-        and f.flags.oversubscribed
-    )
+    if not classes or tokens is None or len(tokens) < 2 or not f.flags.restore_enabled or not f.flags.own:
+        return False
+    return f.flags.oversubscribed or point_cheap(f.costs, len(tokens) - 1)
+
+
+POINT_SHARE = (
+    0.05  # a point no eviction calls for is taken when its save costs at most this share of its prefill
+)
+
+
+def point_cheap(costs: CostFigures, tokens: int) -> bool:
+    """Does saving `tokens` of KV cost at most `POINT_SHARE` of their prefill? Unknown figures (a server not
+    measured yet): yes, so a session's first turns are not lost to a restart while the figures are learned."""
+    save, prefill = costs.save_s(tokens), costs.prefill_s(tokens)
+    if save is None or prefill is None:
+        return True
+    return save <= POINT_SHARE * prefill
 
 
 def _start(f: StartFacts) -> StartPlan:

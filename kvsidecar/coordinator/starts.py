@@ -110,6 +110,7 @@ class Planner:
             scope="",
             model=ModelFacts(kind=memory.kind, swa_full=memory.swa_full) if memory else ModelFacts(),
             prompt=_prompt(prompt),
+            costs=_figures(self.costs, srv.name),
             flags=Flags(restore_enabled=restore_enabled, oversubscribed=oversubscribed),
         )
         return wants_prompt_point(facts)
@@ -207,6 +208,7 @@ def _figures(costs: CostModel, server: str) -> CostFigures:
     live = costs.server(server)
     return CostFigures(
         kv_bytes_per_token=live.kv_bytes_per_token.value,
+        save_bytes_per_s=live.save_bytes_per_s.value,
         restore_bytes_per_s=live.restore_bytes_per_s.value,
         prefill_tokens_per_s=live.prefill_tokens_per_s.value,
     )

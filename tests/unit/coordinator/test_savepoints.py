@@ -93,18 +93,28 @@ async def test_without_the_prompt_point_the_next_turn_restores_nothing(tmp_path:
         await h.coordinator.aclose()
 
 
-async def test_no_prompt_point_while_every_session_has_a_slot(tmp_path: Path) -> None:
+async def test_every_session_has_a_slot_a_point_only_when_its_save_is_cheap(tmp_path: Path) -> None:
+    """No eviction to come: a point is still taken (a restart may come) while the save's cost is unknown or
+    small against the prefill it spares, and not once the figures say the save is dear."""
     h = await start_harness(tmp_path, total_slots=2, servers={"local": {"mode": "managed-slots"}})
     try:
         ids_engine(h)
         await finish(h, await acquire(h, "B", conversation("B", 2)), conversation("B", 2))
         r = await acquire(h, "A", conversation("A", 3))
-        assert not r.prompt_point
-        assert r.lease_id is not None
+        assert r.prompt_point  # figures unknown: cheap
+        await finish(h, r, conversation("A", 3))
+        costs = h.coordinator.costs
+        for _ in range(30):  # learned figures (moving averages) that say the save is dear
+            costs.observe_prefill("local", tokens=1000, ms=100.0)  # 10,000 tokens/s: 0.1 ms a token
+            costs.observe_transfer(  # 1 MB a token written at 100 MB/s: 10 ms a token
+                "local", kind="save", nbytes=10**9, tokens=1000, server_ms=10_000.0, measured_ms=1.0
+            )
+        r = await acquire(h, "A", conversation("A", 4))  # A's next turn, resident
+        assert not r.prompt_point and r.lease_id is not None
         h.calls()
         assert await h.coordinator.savepoints.take(r.lease_id) is None
         assert h.calls() == []
-        await finish(h, r, conversation("A", 3))
+        await finish(h, r, conversation("A", 4))
     finally:
         await h.coordinator.aclose()
 
