@@ -31,20 +31,17 @@ def _prompt(t: Turn) -> int:
     return t.computed + t.reused
 
 
-# SWA without --swa-full: before the other conversation's turn kvsidecar parks the slot (coordinator/scope.py:
-# a few tokens of its own, so llama-server hands the slot's KV to its RAM cache). llama-server alone, on the
-# resident slot, reuses the common system prompt (1,247 of 1,274 tokens); from the RAM cache's copy it reuses
-# 751 (its checkpoint n_ubatch + 4 tokens before the end): ~+490 tokens on three of the five steps. A defect
-# of the park, left to the coordinator: this records it (strict: the fix makes it pass; then drop the mark).
-PARK_LOSES_SWA_ROLLBACK = pytest.mark.xfail(
-    strict=True, reason="the park hands a non-swa-full SWA slot to the RAM cache, which keeps only the window"
-)
+# SWA without --swa-full: the case that found the park's defect. Before, kvsidecar parked the slot at every
+# switch (a few tokens of its own, so llama-server handed the slot's KV to its RAM cache, whose copy keeps only
+# the window): the other conversation then reused 751 of 1,274 tokens where llama-server alone, on the slot it
+# never gave up, reused the common system prompt (1,247): ~+490 tokens on three of the five steps. A switch
+# that keeps the slot no longer parks it (coordinator/scope.py: only before kvsidecar replaces the slot's KV).
 # CI time: plain is replayed in full by test_agent_clients_real.py, and the two hybrids share one plan rule, so
 # the plain replay and the Mamba2 hybrid's reasoning workload run with KVSIDECAR_SLOW=1 (bench/run) only
 SLOW = pytest.mark.skipif(
     os.environ.get("KVSIDECAR_SLOW") != "1", reason="the long variant: KVSIDECAR_SLOW=1"
 )
-_MARKS = {"swa": PARK_LOSES_SWA_ROLLBACK, "plain": SLOW}
+_MARKS = {"plain": SLOW}
 CLIENT_CASES = [pytest.param(c, id=c.label, marks=_MARKS.get(c.label, ())) for c in CLASSES]
 
 
