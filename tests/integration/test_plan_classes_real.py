@@ -10,13 +10,12 @@
 - Hybrid, after a llama-server restart: the session's next turn, which extends its saved point, reuses at
   least 90% of what a resident slot reuses.
 
-The generated models are tiny (kvsidecar.testing.arch_models) and the prompts about 1.5K tokens. The
-per-class comparison is marked `slow` (KVSIDECAR_SLOW=1: bench/run runs it)."""
+The generated models are tiny (kvsidecar.testing.arch_models) and the prompts about 1.5K tokens (the
+per-class comparison takes about 20 s in all on 2 cores)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -43,16 +42,14 @@ from tests.integration.plan_helpers import (
 from tests.integration.real_helpers import RealHarness, real_harness
 from tests.integration.test_proxy_real import TOKEN, proxy_daemon
 
-SLOW = pytest.mark.skipif(os.environ.get("KVSIDECAR_SLOW") != "1", reason="per class: KVSIDECAR_SLOW=1")
 # Per turn, kvsidecar may compute a few tokens more than llama-server alone and still reuse as much: a
 # restore makes llama-server evaluate the prompt's last token again when the prompt ends where the point
 # does (n_past - 1), and a reply that does not re-tokenize as it was sampled makes the two runs' prompts
 # differ by a token or two. Anything that misses a reuse costs hundreds (a system prompt is ~1.5K tokens).
-TOLERANCE_PER_TURN = 8
+TOLERANCE_PER_TURN = 2  # SWA with --swa-full: +7 over 6 turns, the price of right KV (docs/MODELS.md)
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
-@SLOW
 @pytest.mark.parametrize("case", CLASSES, ids=[c.label for c in CLASSES])
 def test_two_sessions_on_one_slot_compute_no_more_than_llama_server_alone(
     llama_bin: Path, tiny_model: Path, tmp_path: Path, case: ClassCase
