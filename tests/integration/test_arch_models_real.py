@@ -1,7 +1,9 @@
 """The generated hybrid and sliding-window models against the real llama-server: each loads and decodes, its
 output depends on the prompt and on the seed (so a test can tell one state from another), a slot save and
 restore works on each, the saved file parses under the model's memory class (and not as a plain cache),
-and a restored state continues exactly as the resident one does where llama-server reuses it."""
+and a restored state continues exactly as the resident one does where llama-server reuses it: the same text
+and, on the hybrids, bit-identical log-probabilities of the next tokens (SWA with `--swa-full`: the same five
+most likely tokens, log-probabilities within 0.02: its window's cells are restored elsewhere in the cache)."""
 
 from __future__ import annotations
 
@@ -39,9 +41,18 @@ def _post(server: LlamaServer, path: str, body: dict[str, Any]) -> dict[str, Any
     return out
 
 
-def _complete(server: LlamaServer, prompt: str | list[int], n: int = 8) -> dict[str, Any]:
+def _complete(server: LlamaServer, prompt: str | list[int], n: int = 8, probs: int = 0) -> dict[str, Any]:
     body = {"prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": True, "id_slot": 0}
+    if probs:
+        body["n_probs"] = probs
     return _post(server, "/completion", body)
+
+
+def _top(out: dict[str, Any]) -> list[list[tuple[int, float]]]:
+    """Each generated token's five most likely tokens and their log-probabilities."""
+    steps = out["completion_probabilities"]
+    assert steps, out
+    return [[(int(t["id"]), float(t["logprob"])) for t in step["top_logprobs"]] for step in steps]
 
 
 def _tokens(server: LlamaServer, text: str, n: int) -> list[int]:
@@ -99,15 +110,24 @@ def test_save_and_restore_on_each_class(
     layout = _saved(tmp_path / "slots" / "p.bin", model, args)
     saved = list(text_tokens(layout))
     assert saved[:400] == p and len(saved) == saved_info["n_saved"] == 403  # the 4th token is never decoded
-    resident = _complete(server, saved + new)
+    resident = _complete(server, saved + new, probs=5)
     assert resident["timings"]["cache_n"] == 403
     # restored: the same extension after save, erase, restore
     _post(server, "/slots/0?action=erase", {})
     assert _post(server, "/slots/0?action=restore", {"filename": "p.bin"})["n_restored"] == 403
-    restored = _complete(server, saved + new)
+    restored = _complete(server, saved + new, probs=5)
     if reused == "all":
         assert restored["timings"]["cache_n"] == 403
         assert restored["content"] == resident["content"]  # the restored state is the resident one
+        mine, theirs = _top(restored), _top(resident)
+        if name != "gemma3-swa":  # the same KV, laid out the same: bit-identical log-probabilities
+            assert mine == theirs
+        else:  # the window's cells restored elsewhere in the cache: summed in another order (MODELS.md)
+            assert [[i for i, _ in step] for step in mine] == [[i for i, _ in step] for step in theirs]
+            worst = max(
+                abs(a[1] - b[1]) for x, y in zip(mine, theirs, strict=True) for a, b in zip(x, y, strict=True)
+            )
+            assert worst < 0.02, worst
     else:
         assert restored["timings"]["cache_n"] == 0
     cls = model_class([model], parse_settings(["llama-server", *args], {}))
