@@ -10,6 +10,8 @@ import httpx
 
 from kvsidecar.api.routes import create_app
 from kvsidecar.fleet.routing import FleetRouter
+from kvsidecar.testing.poll import until
+from tests.fleet_helpers import BoundSocket
 from tests.unit.fleet.test_gate import Host, start_host
 
 __all__ = ["start_host"]  # the fixture, shared with fleet/test_gate.py
@@ -36,3 +38,32 @@ async def test_a_fleet_lease_takes_its_point_with_the_id_the_acquire_gave(
             assert done.status_code == 200, done.text
     finally:
         await r1.aclose()
+
+
+async def test_a_lease_of_another_live_host_is_taken_there(
+    start_host: Callable[..., Awaitable[Host]],
+) -> None:
+    """h1 is asked for the point of h2's lease: forwarded to h2 (its answer comes back as it came)."""
+    api = BoundSocket()
+    h1 = await start_host("h1")
+    h2 = await start_host("h2", advertise_url=api.url)
+    await until(lambda: "h2" in h1.agent.hosts, what="h1 to see h2")
+    r1 = FleetRouter(h1.agent, h1.coordinator, token=None)
+    r2 = FleetRouter(h2.agent, h2.coordinator, token=None)
+    app1 = create_app(h1.coordinator, check_host=False, fleet=lambda: r1)
+    app2 = create_app(h2.coordinator, check_host=False, fleet=lambda: r2)
+    got = await h2.coordinator.acquire("B", provider="local", model="m")
+    assert got.lease_id is not None
+    lease = f"h2~{got.lease_id}"
+    try:
+        async with (
+            api.serving(app2, what="h2's hook API"),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app1), base_url="http://t") as c,
+        ):
+            point = await c.post(f"/v1/leases/{lease}/prompt-point")
+            assert point.status_code == 200, point.text
+            assert point.json()["taken"] is False
+    finally:
+        await h2.coordinator.release(got.lease_id, status="aborted")
+        await r1.aclose()
+        await r2.aclose()
