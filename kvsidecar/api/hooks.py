@@ -30,7 +30,7 @@ def hook_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
         Route(method="GET", path="/healthz", handler=healthz, public=True, returns=api_models.Health),
         *_acquire_routes(coordinator, fleet),
         _release_route(coordinator, fleet),
-        _prompt_point_route(coordinator),
+        _prompt_point_route(coordinator, fleet),
     ]
 
 
@@ -118,13 +118,18 @@ def _release_route(coordinator: Coordinator, fleet: FleetHook) -> Route:
     )
 
 
-def _prompt_point_route(coordinator: Coordinator) -> Route:
-    async def prompt_point(call: Call) -> dict[str, Any]:
+def _prompt_point_route(coordinator: Coordinator, fleet: FleetHook) -> Route:
+    async def prompt_point(call: Call) -> dict[str, Any] | Response:
         """Take the save point the lease's start plan asked for (`prompt_point` in the acquire's answer):
         a prefill of the prompt but its last token on the lease's slot, then a save, as the proxy does before
         it forwards. The hook client calls it between the acquire and its model call; never fails that call
-        (a failed prefill or save is in the answer)."""
-        lease_id = call.params["lease_id"]
+        (a failed prefill or save is in the answer). Fleet: the lease id names its host, as in a release."""
+        router = fleet()
+        if router is None:
+            return await serve(call.params["lease_id"])
+        return await router.on_lease_host(call.params["lease_id"], "prompt-point", call.hop, serve)
+
+    async def serve(lease_id: str) -> dict[str, Any]:
         if coordinator.leases.get(lease_id) is None:
             raise LeaseNotFound(f"lease {lease_id[:8]}... is not open on this host")
         taken = await coordinator.savepoints.take(lease_id)

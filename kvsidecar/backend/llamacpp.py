@@ -211,7 +211,7 @@ class LlamaCppBackend:
             raise failure(f"{what}: HTTP {response.status_code} {_error_message(response)}")
         try:
             return response.json()
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser's depth
             raise BackendUnavailable(
                 f"{what}: llama-server answered with something that is not JSON"
             ) from exc

@@ -281,7 +281,7 @@ class Coordinator:
     async def _probe_loop(self, srv: ServerRuntime, *, first: bool = False) -> None:
         if first:  # a router's model found after the start
             await self.guard.refresh(srv)
-        while True:
+        while not self._closing:  # a cancel lost in a refresh (3.11's wait_for) never leaves it sleeping
             await asyncio.sleep(srv.config.probe_interval_s)
             await self.guard.refresh(srv)
             self.swaps.observe(srv)  # a router's model unloaded meanwhile: reported

@@ -118,6 +118,7 @@ class RouterModels:
         self._named = {
             (cfg.base_url.rstrip("/"), cfg.model) for cfg in config.servers.values() if cfg.model is not None
         }
+        self._configured = frozenset(config.servers)  # every entry's name, a discovering one's included
         self._spawn: Callable[[Awaitable[Any]], Any] | None = None
         self._started: Callable[[ServerRuntime], Awaitable[None]] | None = None
 
@@ -145,10 +146,11 @@ class RouterModels:
         d = self.entries[entry]
         try:
             models = await self.lister(entry, d.config)
-        except KvError as exc:
-            if d.last_error != exc.message:
-                event(log, logging.WARNING, "kv.router.discover_failed", server=entry, error=exc.message)
-            d.last_error = exc.message
+        except Exception as exc:  # a look that fails, whatever the router answered, is only a failed look
+            message = exc.message if isinstance(exc, KvError) else f"router /models: {type(exc).__name__}"
+            if d.last_error != message:
+                event(log, logging.WARNING, "kv.router.discover_failed", server=entry, error=message)
+            d.last_error = message
             return []
         d.last_error, d.looks = None, d.looks + 1
         d.listed = frozenset(models)
@@ -179,7 +181,8 @@ class RouterModels:
     def _add(self, d: Discovery, model_id: str) -> ServerRuntime | None:
         name = derived_name(d.entry, model_id)
         shown = ascii(model_id[:64])
-        if name is None or name in self.servers:
+        # another entry's name (a discovering entry is no server, but its name and directory are its own)
+        if name is None or name in self.servers or name in self._configured:
             why = "not a model id (printable, 1-256 characters)" if name is None else f"{name} is taken"
             if shown not in d.refused and len(d.refused) < 64:  # a hostile listing grows nothing unbounded
                 d.refused[shown] = why

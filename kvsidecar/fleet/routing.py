@@ -341,6 +341,20 @@ class FleetRouter:
                 pass
         return await self._queue_release(host_id, local, body)
 
+    async def on_lease_host(
+        self, lease_id: str, action: str, hop: int, serve: Callable[[str], Awaitable[dict[str, Any]]]
+    ) -> dict[str, Any] | Response:
+        """A lease call other than its release (`prompt-point`): served here for this host's lease (the id
+        without its host), forwarded to its live host; else no such lease (nothing is queued for it)."""
+        host_id, sep, local = lease_id.rpartition(LEASE_SEP)
+        if not sep or host_id == self.host_id:
+            return await serve(local)
+        if hop < MAX_HOPS and host_id in self._live():
+            with contextlib.suppress(*UNREACHABLE):
+                path = f"/v1/leases/{segment(lease_id)}/{action}"
+                return await self.forward(host_id, "POST", path, None, hop)
+        raise LeaseNotFound("no such lease (its host is not live here)")
+
     async def _queue_release(self, host_id: str, local: str, body: dict[str, Any]) -> dict[str, Any]:
         """A release for a host that is not live (stopped, partitioned) or cannot be reached: recorded in
         Redis for that host, which applies it at its next heartbeat once it is back
