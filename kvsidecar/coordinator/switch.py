@@ -123,16 +123,20 @@ class Switch:
     ) -> None:
         """Evict the slot's owner, then load the incoming session (None: an auxiliary request)."""
         evicted = self.sessions.get(slot.owner)
+        unsaved = evicted is not None and evicted.dirty  # turns no snapshot of it holds yet
         if slot.owner is not None:  # if a save comes first, the incoming snapshot is read meanwhile
             before_save = partial(self.restorer.preread, srv, rt) if rt is not None else None
             result.evicted = await self.checkpoints.evict(srv, slot, result, before_save=before_save)
         if rt is not None:
             self.telemetry.switch(srv.name, slot.id, rt, result.evicted)
             held_by = evicted.key if evicted is not None else None
-            # a model whose snapshots a next prompt may not use (not plain): the RAM cache keeps the evicted
-            # session's KV, with its checkpoints, as llama-server alone would (coordinator/plan.py); handed
-            # over only if a restore or an erase replaces it (`ScopeGate.arm`: a kept slot needs no park)
-            owned_too = (await self.restorer.planner.memory(srv)).kind != PLAIN_CLASS
+            # a model whose snapshots a next prompt may not use (not plain), or a session whose last turns no
+            # save holds (it failed, or was skipped): the RAM cache keeps the evicted session's KV, with its
+            # checkpoints, as llama-server alone would (coordinator/plan.py); handed over only if a restore
+            # or an erase replaces it (`ScopeGate.arm`: a kept slot needs no park)
+            saved = evicted is not None and f"save {evicted.identity.short}" in result.actions
+            plain = (await self.restorer.planner.memory(srv)).kind == PLAIN_CLASS
+            owned_too = not plain or (unsaved and not saved)
             self.gate.arm(srv, slot, held_by, owned_too=owned_too)
             try:
                 await self.restorer.load(

@@ -241,3 +241,28 @@ async def test_a_plain_prompt_restores_the_point_it_shares_most_with(tmp_path: P
         assert r.outcome is Outcome.RESTORED and r.expected_reuse == len(a1), r
     finally:
         await h.coordinator.aclose()
+
+
+async def test_a_plain_sessions_kv_that_no_save_holds_is_handed_to_the_ram_cache_before_a_restore(
+    tmp_path: Path,
+) -> None:
+    """On plain attention the evicted session's snapshot is its hand-off; when its save fails (or the
+    cost-aware policy skips it) no snapshot holds its last turn, and the restore of the incoming session
+    replaces that KV: without a park it is gone, where llama-server alone would have kept it in its RAM
+    cache. It is parked first (one token), as a hybrid session's is."""
+    h = await start_harness(tmp_path)
+    try:
+        h.process[0] = process()  # seen: its settings say the RAM cache is on
+        await h.coordinator.guard.refresh(h.coordinator.servers["local"], force=True)
+        await _run(h, "A", conversation("A", 1))
+        b = conversation("B", 1)
+        await _run(h, "B", b, b)  # A saved and evicted; B runs on the slot
+        h.calls()
+        h.fake.fail_next_save()  # B's save at the switch fails: B's turn is in the slot only
+        a = conversation("A", 2)
+        r = await _run(h, "A", a, a)
+        calls = h.calls()
+        assert r.outcome is Outcome.RESTORED, r
+        assert "prompt" in calls and calls.index("prompt") < calls.index("restore"), calls
+    finally:
+        await h.coordinator.aclose()
