@@ -266,3 +266,31 @@ async def test_a_plain_sessions_kv_that_no_save_holds_is_handed_to_the_ram_cache
         assert "prompt" in calls and calls.index("prompt") < calls.index("restore"), calls
     finally:
         await h.coordinator.aclose()
+
+
+async def test_the_tokenizer_and_a_resident_point_follow_the_class_of_the_instance_running_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The class is read once per instance (`ServerRuntime.refresh`; unknown, the strict rule, until it is):
+    whether a request's tokens are read (the proxy asks before the acquire) and whether a resident turn takes
+    its prompt point follow that read, not the class the server's last plan used. Before, after a restart
+    into a hybrid model (or while the new instance's class was unread) the planner still said plain: no
+    tokens, so no proof and no prompt point for the first turns."""
+    plain = MemoryClass(kind="plain", arch="llama", n_layer=4, attention_layers=4)
+    hybrid = MemoryClass(kind=HYBRID, arch="qwen35", n_layer=4, attention_layers=1, recurrent_layers=3)
+    unknown = MemoryClass(kind="unknown", arch="", n_layer=0, attention_layers=0, why="not read")
+    now = {"class": plain}
+    monkeypatch.setattr(starts, "memory_of", lambda _srv: now["class"])
+    h = await start_harness(tmp_path)
+    try:
+        await _run(h, "A", conversation("A", 1))  # planned as plain
+        srv = h.coordinator.servers["local"]
+        planner = h.coordinator.restorer.planner
+        prompt = KnownTokens(tokens=tuple(range(64)), cost_ms=0.0)
+        assert planner.tokenizer_for(srv) is None
+        for read in (unknown, hybrid):  # a restart: not read yet, then read
+            now["class"] = read
+            assert planner.tokenizer_for(srv) is srv.backend, read.kind
+        assert planner.resident_point(srv, prompt, restore_enabled=True, oversubscribed=True)
+    finally:
+        await h.coordinator.aclose()
