@@ -294,3 +294,34 @@ async def test_the_tokenizer_and_a_resident_point_follow_the_class_of_the_instan
         assert planner.resident_point(srv, prompt, restore_enabled=True, oversubscribed=True)
     finally:
         await h.coordinator.aclose()
+
+
+async def test_swa_full_kv_is_never_handed_to_nor_primed_from_the_ram_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On SWA with `--swa-full` llama-server's RAM cache keeps only the window's last positions of the SWA
+    layers (a slot save's copy, docs/MODELS.md), and reuses a prefix from it wherever a prompt diverges less
+    than n_swa tokens before its end: the tokens it then recomputes attend over an incomplete window, the
+    wrong KV that the plan refuses to restore (`swa_window_incomplete`). kvsidecar must not lead a request
+    there: no park of a session's KV before a restore replaces it, no prime of an empty slot."""
+    cls = MemoryClass(kind="swa", arch="gemma3", n_layer=6, attention_layers=6, n_swa=128, swa_full=True)
+    monkeypatch.setattr(starts, "memory_of", lambda _srv: cls)
+    h = await start_harness(tmp_path)
+    try:
+        h.process[0] = process()  # seen: its settings say the RAM cache is on
+        await h.coordinator.guard.refresh(h.coordinator.servers["local"], force=True)
+        await _run(h, "A", conversation("A", 1))
+        b = conversation("B", 1)
+        await _run(h, "B", b, b)
+        h.calls()
+        a = conversation("A", 2)  # extends A's point strictly: restored (B saved and evicted first)
+        r = await _run(h, "A", a, a)
+        assert r.outcome is Outcome.RESTORED and "prompt" not in h.calls(), r
+        await h.coordinator.guard.refresh(h.coordinator.servers["local"], force=True)  # the canary empties it
+        h.calls()
+        r3 = await h.coordinator.acquire(None, provider="local", model="m", purpose="title")
+        assert r3.slot_id is not None and h.fake.slot_tokens(r3.slot_id) == [], h.calls()
+        assert "prompt" not in h.calls()  # an empty slot stays empty: llama-server does not look there
+        await h.coordinator.release(r3.lease_id or "", status="aborted")
+    finally:
+        await h.coordinator.aclose()
