@@ -30,7 +30,7 @@ def hook_routes(coordinator: Coordinator, fleet: FleetHook) -> list[Route]:
         Route(method="GET", path="/healthz", handler=healthz, public=True, returns=api_models.Health),
         *_acquire_routes(coordinator, fleet),
         _release_route(coordinator, fleet),
-        _prompt_point_route(coordinator, fleet),
+        _prompt_point_route(coordinator),
     ]
 
 
@@ -118,33 +118,27 @@ def _release_route(coordinator: Coordinator, fleet: FleetHook) -> Route:
     )
 
 
-def _prompt_point_route(coordinator: Coordinator, fleet: FleetHook) -> Route:
-    async def prompt_point(call: Call) -> dict[str, Any] | Response:
+def _prompt_point_route(coordinator: Coordinator) -> Route:
+    async def prompt_point(call: Call) -> dict[str, Any]:
         """Take the save point the lease's start plan asked for (`prompt_point` in the acquire's answer):
         a prefill of the prompt but its last token on the lease's slot, then a save, as the proxy does before
         it forwards. The hook client calls it between the acquire and its model call; never fails that call
-        (a failed prefill or save is in the answer). In fleet mode on the host the lease's id names."""
-
-        async def serve(lease_id: str) -> dict[str, Any]:
-            if coordinator.leases.get(lease_id) is None:  # the id is the client's: never echoed
-                raise LeaseNotFound("no such lease (already released or expired)")
-            taken = await coordinator.savepoints.take(lease_id)
-            if taken is None:
-                return {
-                    "taken": False,
-                    "tokens": None,
-                    "computed": None,
-                    "saved": False,
-                    "prefill_ms": None,
-                    "save_ms": None,
-                    "error": None,
-                }
-            return {"taken": True, **asdict(taken)}
-
-        router = fleet()
-        if router is None:
-            return await serve(call.params["lease_id"])
-        return await router.on_lease_host(call.params["lease_id"], "prompt-point", call.hop, serve)
+        (a failed prefill or save is in the answer)."""
+        lease_id = call.params["lease_id"]
+        if coordinator.leases.get(lease_id) is None:
+            raise LeaseNotFound(f"lease {lease_id[:8]}... is not open on this host")
+        taken = await coordinator.savepoints.take(lease_id)
+        if taken is None:
+            return {
+                "taken": False,
+                "tokens": None,
+                "computed": None,
+                "saved": False,
+                "prefill_ms": None,
+                "save_ms": None,
+                "error": None,
+            }
+        return {"taken": True, **asdict(taken)}
 
     return json_route(
         "POST",

@@ -341,21 +341,6 @@ class FleetRouter:
                 pass
         return await self._queue_release(host_id, local, body)
 
-    async def on_lease_host(
-        self, lease_id: str, action: str, hop: int, serve: Callable[[str], Awaitable[dict[str, Any]]]
-    ) -> dict[str, Any] | Response:
-        """A lease's call other than its release (its prompt point): served on the host its id names, here
-        or forwarded while that host is live; never queued (a point not taken costs warmth only)."""
-        host_id, sep, local = lease_id.rpartition(LEASE_SEP)
-        if not sep or host_id == self.host_id:
-            return await serve(local)
-        if hop >= MAX_HOPS or host_id not in self._live():
-            raise LeaseNotFound("no such lease (its host is not live here)")
-        try:
-            return await self.forward(host_id, "POST", f"/v1/leases/{segment(lease_id)}/{action}", None, hop)
-        except UNREACHABLE:
-            raise LeaseNotFound("no such lease (its host cannot be reached)") from None
-
     async def _queue_release(self, host_id: str, local: str, body: dict[str, Any]) -> dict[str, Any]:
         """A release for a host that is not live (stopped, partitioned) or cannot be reached: recorded in
         Redis for that host, which applies it at its next heartbeat once it is back
