@@ -15,6 +15,7 @@ a policy that needs one it does not have falls back to today's behaviour (save b
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,10 @@ class Ewma:
     samples: int = 0
 
     def update(self, x: float) -> None:
+        """One observation; one that is not a finite number (a rate over a time of almost nothing) is not
+        one: a mean that held inf or NaN would hold it for ever (every prefill free, no restore worth it)."""
+        if not math.isfinite(x):
+            return
         self.value = x if self.value is None else (1 - _ALPHA) * self.value + _ALPHA * x
         self.samples += 1
 

@@ -30,10 +30,12 @@ flowing out of it is (rule 2; rule 3 counts it as another scope).
 
 Within one scope no request costs more than it would with llama-server alone (`ScopeGate.park`, one token
 of kvsidecar's own): right before kvsidecar replaces KV that no session owns (a title's, say; a session's
-too on a hybrid or SWA model) with a restore, a carry-over or an erase, it hands it to the RAM cache as
-llama-server would (`arm`, `hand_off`; a switch that keeps the slot's KV leaves that to llama-server); and a
-request about to run on an empty slot gets a slot that is not empty, where that cache may hold anything, so
-that llama-server looks there as it would for a request it placed itself.
+too on a hybrid or SWA model, or one no save holds) with a restore, a carry-over or an erase, it hands it to
+the RAM cache as llama-server would (`arm`, `hand_off`; a switch that keeps the slot's KV leaves that to
+llama-server); and a request about to run on an empty slot gets a slot that is not empty, where that cache
+may hold anything, so that llama-server looks there as it would for a request it placed itself. Neither on
+SWA with `--swa-full` (that cache's copy lacks the SWA positions before the window: switch.py
+`_ram_copy_right`).
 """
 
 from __future__ import annotations

@@ -143,7 +143,11 @@ class ServerRuntime:
 
     @property
     def memory(self) -> ServerMemory | None:
-        """The model's memory class on the instance last seen, its settings and what a snapshot costs."""
+        """The model's memory class on the instance running now, its settings and what a snapshot costs
+        (None while that instance's class is not read: never the class of one that is gone, which status
+        and the checkpoint policy would otherwise show while the planner reads unknown)."""
+        if self.identity.now.memory is None and self.process is not None:
+            return None
         return self._memory
 
     @property

@@ -86,29 +86,26 @@ class Planner:
         self.store = store
         self.guard = guard
         self.costs = costs
-        self._memory: dict[str, MemoryClass] = {}  # server -> the class its last plan used
         self._ran: OrderedDict[str, tuple[str, int]] = OrderedDict()  # key -> (server, epoch)
         self._expected: OrderedDict[str, int] = OrderedDict()  # key -> tokens its restore should give
 
     async def memory(self, srv: ServerRuntime) -> MemoryClass:
-        found = memory_of(srv)
-        self._memory[srv.name] = found
-        return found
+        return memory_of(srv)
 
     def memory_kind(self, srv: ServerRuntime) -> str:
-        """The class last planned with for `srv` (unknown before its first plan)."""
-        known = self._memory.get(srv.name)
-        return known.kind if known is not None else UNKNOWN
+        """The class of the instance `srv` runs now (`memory_of`: no I/O; unknown while it is not read), not
+        the one its last plan used: after a restart that one may be another model's or other settings'."""
+        return memory_of(srv).kind
 
     def resident_point(
         self, srv: ServerRuntime, prompt: PromptTokens | None, *, restore_enabled: bool, oversubscribed: bool
     ) -> bool:
         """Does a resident session's turn take a save point at its prompt's end? plan.py's rule, with the
-        class last read for `srv` (no I/O: a resident acquire makes none)."""
-        memory = self._memory.get(srv.name)
+        class read for the instance `srv` runs now (no I/O: a resident acquire makes none)."""
+        memory = memory_of(srv)  # this instance's read (no I/O), not the last plan's
         facts = StartFacts(
             scope="",
-            model=ModelFacts(kind=memory.kind, swa_full=memory.swa_full) if memory else ModelFacts(),
+            model=ModelFacts(kind=memory.kind, swa_full=memory.swa_full),
             prompt=_prompt(prompt),
             costs=_figures(self.costs, srv.name),
             flags=Flags(restore_enabled=restore_enabled, oversubscribed=oversubscribed),

@@ -20,7 +20,7 @@ from functools import partial
 
 from kvsidecar.backend.prompts import PromptTokens
 from kvsidecar.coordinator.checkpoint import CheckpointPolicy
-from kvsidecar.coordinator.plan import PLAIN_CLASS
+from kvsidecar.coordinator.plan import PLAIN_CLASS, SWA_FULL, UNKNOWN_CLASS, ModelFacts, rule_of
 from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.restore import Restorer
 from kvsidecar.coordinator.runtime import RuntimeGuard
@@ -82,7 +82,7 @@ class Switch:
         own, share = self.gate.may_use_own(srv, incoming), self.gate.may_share(srv, incoming)
         await self._change_hands(srv, slot, result, rt, donor, own=own, share=share, prompt=prompt)
         restored = result.outcome is Outcome.RESTORED
-        prime = self.restorer.config.restore.share_prefix
+        prime = self.restorer.config.restore.share_prefix and await self._ram_copy_right(srv)
         await self.gate.admit(srv, slot, incoming, result, own=restored, prime=prime)
         self.pool.assign(srv, slot, rt.key, rt.scope)
         self.telemetry.loaded(srv.name, slot.id, rt, result)
@@ -105,9 +105,20 @@ class Switch:
         """Spec §72: checkpoint the owner, then the slot belongs to no session."""
         result = AcquireResult(outcome=Outcome.COLD, reason="auxiliary")
         await self._change_hands(srv, slot, result, None, None)
-        await self.gate.admit(srv, slot, incoming, result, own=False, prime=True)
+        prime = await self._ram_copy_right(srv)
+        await self.gate.admit(srv, slot, incoming, result, own=False, prime=prime)
         self.pool.lend_to_aux(srv, slot, incoming.scope)
         return result
+
+    async def _ram_copy_right(self, srv: ServerRuntime) -> bool:
+        """Is what llama-server's RAM cache gives back the KV a resident slot holds? Not on SWA with
+        `--swa-full` (its copy keeps only the window's last positions of the SWA layers, and llama-server
+        reuses a prefix of it past a divergence that the window then lacks: docs/MODELS.md), nor for a class
+        that could not be read: kvsidecar then neither hands a slot's KV to that cache (`arm`) nor primes an
+        empty slot (an empty slot is never given anything from it)."""
+        memory = await self.restorer.planner.memory(srv)
+        model = ModelFacts(kind=memory.kind, swa_full=memory.swa_full)
+        return memory.kind != UNKNOWN_CLASS and rule_of(model) != SWA_FULL
 
     async def _change_hands(
         self,
@@ -123,17 +134,22 @@ class Switch:
     ) -> None:
         """Evict the slot's owner, then load the incoming session (None: an auxiliary request)."""
         evicted = self.sessions.get(slot.owner)
+        unsaved = evicted is not None and evicted.dirty  # turns no snapshot of it holds yet
         if slot.owner is not None:  # if a save comes first, the incoming snapshot is read meanwhile
             before_save = partial(self.restorer.preread, srv, rt) if rt is not None else None
             result.evicted = await self.checkpoints.evict(srv, slot, result, before_save=before_save)
         if rt is not None:
             self.telemetry.switch(srv.name, slot.id, rt, result.evicted)
             held_by = evicted.key if evicted is not None else None
-            # a model whose snapshots a next prompt may not use (not plain): the RAM cache keeps the evicted
-            # session's KV, with its checkpoints, as llama-server alone would (coordinator/plan.py); handed
-            # over only if a restore or an erase replaces it (`ScopeGate.arm`: a kept slot needs no park)
-            owned_too = (await self.restorer.planner.memory(srv)).kind != PLAIN_CLASS
-            self.gate.arm(srv, slot, held_by, owned_too=owned_too)
+            # a model whose snapshots a next prompt may not use (not plain), or a session whose last turns no
+            # save holds (it failed, or was skipped): the RAM cache keeps the evicted session's KV, with its
+            # checkpoints, as llama-server alone would (coordinator/plan.py); handed over only if a restore
+            # or an erase replaces it (`ScopeGate.arm`: a kept slot needs no park)
+            saved = evicted is not None and f"save {evicted.identity.short}" in result.actions
+            plain = (await self.restorer.planner.memory(srv)).kind == PLAIN_CLASS
+            owned_too = not plain or (unsaved and not saved)
+            if await self._ram_copy_right(srv):
+                self.gate.arm(srv, slot, held_by, owned_too=owned_too)
             try:
                 await self.restorer.load(
                     srv, slot, rt, result, donor=donor, held_by=held_by, own=own, share=share, prompt=prompt

@@ -62,7 +62,8 @@ class Doctor:
             await self._crashes(report, None)
             return report
         slots = await self._slots(report, caps)
-        process = self.process_finder(self.server.base_url)
+        # a router's model runs in a child of its own: its process (its class) as the coordinator reads it
+        process = self.process_finder(caps.process_url or self.server.base_url)
         theirs = llama_save_dir(process)  # llama-server's --slot-save-path as seen from here, when known
         await self._crashes(report, process)
         memory = await asyncio.to_thread(read_server_memory, caps, process)  # its model files, its flags

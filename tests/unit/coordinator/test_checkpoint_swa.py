@@ -181,3 +181,21 @@ async def test_a_look_at_an_older_instance_that_ends_last_is_not_kept(
     gate.set()
     await older
     assert srv.memory.kind == HYBRID and h.coordinator.status()["servers"][0]["memory"]["saves"] == "on"
+
+
+async def test_status_never_shows_the_class_of_an_instance_that_is_gone(
+    harness: Harness, tmp_path: Path
+) -> None:
+    """llama-server restarted with `--swa-full` and is asleep (`--sleep-idle-seconds`): the new instance's
+    class is not read yet (the planner's is unknown, the strict rule). Status and the checkpoint policy read
+    the same: not "saves off, swa_no_full" of the instance that is gone."""
+    h, srv = harness, harness.coordinator.servers["local"]
+    assert h.coordinator.status()["servers"][0]["memory"]["saves"] == "off"
+    h.fake.sleep()
+    h.process[0] = process_running(tmp_path / "models" / "gemma3-swa.gguf", "--swa-full", pid=43)
+    await srv.refresh()
+    assert srv.sleeping and srv.memory_class is None  # the identity: not read
+    assert srv.memory is None and h.coordinator.status()["servers"][0]["memory"] is None
+    await srv.refresh(wake=True)  # woken and read: with --swa-full, saves are on
+    assert srv.memory_class is not None and srv.memory_class.swa_full
+    assert srv.memory is not None and h.coordinator.status()["servers"][0]["memory"]["saves"] == "on"

@@ -241,3 +241,87 @@ async def test_a_plain_prompt_restores_the_point_it_shares_most_with(tmp_path: P
         assert r.outcome is Outcome.RESTORED and r.expected_reuse == len(a1), r
     finally:
         await h.coordinator.aclose()
+
+
+async def test_a_plain_sessions_kv_that_no_save_holds_is_handed_to_the_ram_cache_before_a_restore(
+    tmp_path: Path,
+) -> None:
+    """On plain attention the evicted session's snapshot is its hand-off; when its save fails (or the
+    cost-aware policy skips it) no snapshot holds its last turn, and the restore of the incoming session
+    replaces that KV: without a park it is gone, where llama-server alone would have kept it in its RAM
+    cache. It is parked first (one token), as a hybrid session's is."""
+    h = await start_harness(tmp_path)
+    try:
+        h.process[0] = process()  # seen: its settings say the RAM cache is on
+        await h.coordinator.guard.refresh(h.coordinator.servers["local"], force=True)
+        await _run(h, "A", conversation("A", 1))
+        b = conversation("B", 1)
+        await _run(h, "B", b, b)  # A saved and evicted; B runs on the slot
+        h.calls()
+        h.fake.fail_next_save()  # B's save at the switch fails: B's turn is in the slot only
+        a = conversation("A", 2)
+        r = await _run(h, "A", a, a)
+        calls = h.calls()
+        assert r.outcome is Outcome.RESTORED, r
+        assert "prompt" in calls and calls.index("prompt") < calls.index("restore"), calls
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_the_tokenizer_and_a_resident_point_follow_the_class_of_the_instance_running_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The class is read once per instance (`ServerRuntime.refresh`; unknown, the strict rule, until it is):
+    whether a request's tokens are read (the proxy asks before the acquire) and whether a resident turn takes
+    its prompt point follow that read, not the class the server's last plan used. Before, after a restart
+    into a hybrid model (or while the new instance's class was unread) the planner still said plain: no
+    tokens, so no proof and no prompt point for the first turns."""
+    plain = MemoryClass(kind="plain", arch="llama", n_layer=4, attention_layers=4)
+    hybrid = MemoryClass(kind=HYBRID, arch="qwen35", n_layer=4, attention_layers=1, recurrent_layers=3)
+    unknown = MemoryClass(kind="unknown", arch="", n_layer=0, attention_layers=0, why="not read")
+    now = {"class": plain}
+    monkeypatch.setattr(starts, "memory_of", lambda _srv: now["class"])
+    h = await start_harness(tmp_path)
+    try:
+        await _run(h, "A", conversation("A", 1))  # planned as plain
+        srv = h.coordinator.servers["local"]
+        planner = h.coordinator.restorer.planner
+        prompt = KnownTokens(tokens=tuple(range(64)), cost_ms=0.0)
+        assert planner.tokenizer_for(srv) is None
+        for read in (unknown, hybrid):  # a restart: not read yet, then read
+            now["class"] = read
+            assert planner.tokenizer_for(srv) is srv.backend, read.kind
+        assert planner.resident_point(srv, prompt, restore_enabled=True, oversubscribed=True)
+    finally:
+        await h.coordinator.aclose()
+
+
+async def test_swa_full_kv_is_never_handed_to_nor_primed_from_the_ram_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On SWA with `--swa-full` llama-server's RAM cache keeps only the window's last positions of the SWA
+    layers (a slot save's copy, docs/MODELS.md), and reuses a prefix from it wherever a prompt diverges less
+    than n_swa tokens before its end: the tokens it then recomputes attend over an incomplete window, the
+    wrong KV that the plan refuses to restore (`swa_window_incomplete`). kvsidecar must not lead a request
+    there: no park of a session's KV before a restore replaces it, no prime of an empty slot."""
+    cls = MemoryClass(kind="swa", arch="gemma3", n_layer=6, attention_layers=6, n_swa=128, swa_full=True)
+    monkeypatch.setattr(starts, "memory_of", lambda _srv: cls)
+    h = await start_harness(tmp_path)
+    try:
+        h.process[0] = process()  # seen: its settings say the RAM cache is on
+        await h.coordinator.guard.refresh(h.coordinator.servers["local"], force=True)
+        await _run(h, "A", conversation("A", 1))
+        b = conversation("B", 1)
+        await _run(h, "B", b, b)
+        h.calls()
+        a = conversation("A", 2)  # extends A's point strictly: restored (B saved and evicted first)
+        r = await _run(h, "A", a, a)
+        assert r.outcome is Outcome.RESTORED and "prompt" not in h.calls(), r
+        await h.coordinator.guard.refresh(h.coordinator.servers["local"], force=True)  # the canary empties it
+        h.calls()
+        r3 = await h.coordinator.acquire(None, provider="local", model="m", purpose="title")
+        assert r3.slot_id is not None and h.fake.slot_tokens(r3.slot_id) == [], h.calls()
+        assert "prompt" not in h.calls()  # an empty slot stays empty: llama-server does not look there
+        await h.coordinator.release(r3.lease_id or "", status="aborted")
+    finally:
+        await h.coordinator.aclose()

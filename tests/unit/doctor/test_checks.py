@@ -4,10 +4,12 @@ llama-server's API key like every other call, and its verdict comes from the eng
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 
+from kvsidecar.backend.base import BackendCapabilities
 from kvsidecar.backend.fake import FakeKvBackend
 from kvsidecar.backend.llamacpp import LlamaCppBackend
 from kvsidecar.doctor.checks import Doctor
@@ -127,3 +129,27 @@ async def test_deep_round_trip_failure_is_reported_with_the_backend_code(tmp_pat
         await backend.aclose()
     assert report.result == "NOT READY"
     assert next(c for c in report.checks if c.name == "server reachable").status == "FAIL"
+
+
+async def test_a_routers_model_is_checked_on_its_childs_process(tmp_path: Path) -> None:
+    """A router's model runs in a child llama-server of its own (`process_url`: where the coordinator finds
+    it, with the arguments the router started it with). doctor must read that process, as the coordinator's
+    identity does for the class status shows and the planner uses: the router's own process has other
+    arguments (no `--swa-full` of a preset's child, say), so doctor said another class."""
+    fake = FakeKvBackend(tmp_path / "snaps")
+    probe = fake.probe
+
+    async def child_probe() -> BackendCapabilities:
+        return replace(await probe(), process_url="http://127.0.0.1:40123")
+
+    fake.probe = child_probe  # type: ignore[method-assign]
+    asked: list[str] = []
+    (tmp_path / "snaps").mkdir(exist_ok=True)
+    doc = Doctor(
+        config=make_config(tmp_path),
+        server="local",
+        backend=fake,
+        process_finder=lambda url: asked.append(url) or None,  # type: ignore[func-returns-value]
+    )
+    await doc.run()
+    assert asked == ["http://127.0.0.1:40123"]
