@@ -185,6 +185,10 @@ WORKLOADS: dict[str, Callable[[Target, Script], list[Turn]]] = {
 }
 
 
+# The checkpoint policy of the tests that count tokens (run_way's `policy`): every switch saves.
+POLICY = "save-before-evict"
+
+
 def run_way(
     llama_bin: Path,
     model: Path,
@@ -196,8 +200,11 @@ def run_way(
     template: str | None = None,
     ctx: int = 4096,
     idle_s: float | None = None,
+    policy: str | None = None,
 ) -> Way:
-    """`work` on a fresh llama-server (and proxy) of `case`, one way."""
+    """`work` on a fresh llama-server (and proxy) of `case`, one way. `policy`: kvsidecar's checkpoint policy
+    (None: its default, cost-aware, which may skip a switch save it times as dearer than recomputing the turn:
+    a few tokens more, decided on a clock, so a test that counts tokens pins `save-before-evict`)."""
     flags = case.flags + (("--cache-ram", "0") if way == "alone-no-cache" else ())
     label = f"{case.label}-{way}-{time.monotonic_ns()}"
     extra: dict[str, Any] = {} if template is None else {"template": template}
@@ -211,7 +218,7 @@ def run_way(
                 snapshot_dir=llama.save_dir,
                 token=TOKEN,
                 proxy={"enabled": True, "identity": "session"},
-                checkpoint={"idle_s": idle_s},
+                checkpoint={"idle_s": idle_s} | ({} if policy is None else {"policy": policy}),
             ).start()
         target = Target(llama, daemon)
         turns = work(target)

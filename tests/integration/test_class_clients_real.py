@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from kvsidecar.coordinator import plan
-from tests.integration.class_workloads import CLIENT_STEPS, clients, options, reasoning, run_way
+from tests.integration.class_workloads import CLIENT_STEPS, POLICY, clients, options, reasoning, run_way
 from tests.integration.plan_helpers import CLASSES, ClassCase, Script, Turn, model_for
 
 
@@ -52,7 +52,9 @@ def test_interleaved_client_conversations_compute_no_more_than_alone(
     model = model_for(case, llama_bin, tiny_model)
     work = partial(clients, script=Script())
     alone, alone_total, _ = run_way(llama_bin, model, tmp_path, case, "alone", work)
-    through, through_total, canary = run_way(llama_bin, model, tmp_path, case, "kvsidecar", work)
+    through, through_total, canary = run_way(
+        llama_bin, model, tmp_path, case, "kvsidecar", work, policy=POLICY
+    )
     assert len(through) == len(alone) == len(CLIENT_STEPS)
     report = [
         f"{k.session}: prompt {_prompt(k)}; alone {a.computed}; kvsidecar {k.computed} "
@@ -90,7 +92,9 @@ def test_a_dropped_reasoning_turn_after_an_eviction_reuses_through_its_prompt_po
     work = partial(reasoning, script=script)
     opts = options("reasoning")
     alone, alone_total, _ = run_way(llama_bin, model, tmp_path, case, "alone", work, **opts)
-    through, through_total, canary = run_way(llama_bin, model, tmp_path, case, "kvsidecar", work, **opts)
+    through, through_total, canary = run_way(
+        llama_bin, model, tmp_path, case, "kvsidecar", work, policy=POLICY, **opts
+    )
     a1, a2 = through[2], through[4]
     print(f"{label}: computed alone {alone_total}, through kvsidecar {through_total} (canary {canary})")
     print(f"A1 {a1.headers}\nA2 computed {a2.computed}, reused {a2.reused} (alone {alone[4]}); {a2.headers}")

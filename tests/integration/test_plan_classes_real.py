@@ -28,7 +28,7 @@ from kvsidecar.coordinator import plan
 from kvsidecar.coordinator.state import HOOK_SCOPE, AcquireResult, Outcome
 from kvsidecar.store.naming import SnapshotIdentity
 from kvsidecar.testing.llama import LlamaServer, words
-from tests.integration.class_workloads import run_way, two_sessions
+from tests.integration.class_workloads import POLICY, run_way, two_sessions
 from tests.integration.plan_helpers import (
     CLASSES,
     ClassCase,
@@ -60,7 +60,9 @@ def test_two_sessions_on_one_slot_compute_no_more_than_llama_server_alone(
     model = model_for(case, llama_bin, tiny_model)
     work = partial(two_sessions, script=script)
     alone_turns, alone, _ = run_way(llama_bin, model, tmp_path, case, "alone", work)
-    through_turns, through, canary = run_way(llama_bin, model, tmp_path, case, "kvsidecar", work)
+    through_turns, through, canary = run_way(
+        llama_bin, model, tmp_path, case, "kvsidecar", work, policy=POLICY
+    )
     plans = [
         f"{t.session}{t.turn}:{t.headers.get('x-kv-outcome')}/{t.headers.get('x-kv-plan-reason')}"
         for t in through_turns
