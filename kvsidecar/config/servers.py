@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from kvsidecar.config.values import BaseUrl, PathValue, Section, home_path
 
@@ -17,6 +17,9 @@ class Mode(StrEnum):
 
 class ServerConfig(Section):
     """One llama-server and the directory it saves slots into (its --slot-save-path)."""
+
+    # `model`, `model_wait_s`: a router's model and the wait for it (pydantic's own names start `model_` too)
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
     base_url: BaseUrl = "http://127.0.0.1:8080"
     api_key_file: PathValue | None = None
