@@ -254,12 +254,18 @@ class SlotPool:
     @staticmethod
     def forget_content(slot: Slot) -> None:
         """The server lost (or may have lost) what the slot held: a restart, or the canary's slot."""
-        slot.owner, slot.holds_aux, slot.tokens = None, False, None
+        slot.owner, slot.holds_aux, slot.tokens, slot.window_floor = None, False, None, None
 
     @staticmethod
     def loaded(slot: Slot, tokens: int, scope: str) -> None:
         """A restore put exactly `tokens` of its session's own snapshot (of `scope`) into the slot."""
-        slot.tokens, slot.foreign_kv, slot.scope = tokens, False, scope
+        slot.tokens, slot.foreign_kv, slot.scope, slot.window_floor = tokens, False, scope, None
+
+    @staticmethod
+    def floored(slot: Slot, floor: tuple[int, ...]) -> None:
+        """SWA with --swa-full: the restore just made holds the SWA cells of only the window before its end,
+        so a prompt on this KV must extend `floor` (the restored tokens but the last)."""
+        slot.window_floor = floor
 
     @staticmethod
     def started_cold(slot: Slot, tokens: int | None, *, foreign: bool, scope: str | None) -> None:
@@ -278,7 +284,7 @@ class SlotPool:
 
     @staticmethod
     def erased(slot: Slot) -> None:
-        slot.tokens = 0
+        slot.tokens, slot.window_floor = 0, None
 
     @staticmethod
     def touched(slot: Slot, tokens: int | None = None) -> None:

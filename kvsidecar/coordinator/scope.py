@@ -244,21 +244,23 @@ class ScopeGate:
         """A resident request runs on what its slot holds (the verdict was RUN)."""
         self.ledger.ran(srv, incoming.scope)
 
-    async def erase(self, srv: ServerRuntime, slot: Slot, why: Verdict, result: AcquireResult) -> None:
-        """Erase a held slot before a request of another scope runs on it; KV_BACKEND_UNAVAILABLE when it
-        cannot be done (the request is not run on KV it must not see)."""
+    async def erase(self, srv: ServerRuntime, slot: Slot, why: Verdict | str, result: AcquireResult) -> None:
+        """Erase a held slot before a request of another scope runs on it (or one its KV would answer wrong:
+        `why` a plan reason); KV_BACKEND_UNAVAILABLE when it cannot be done (the request is not run on KV it
+        must not see)."""
+        why = why.value if isinstance(why, Verdict) else why
         try:
             async with self.persist.persisting(srv, "erase", slot=slot) as op:
                 await op.call(srv.backend.erase_slot(slot.id))
         except KvError as exc:
-            self.telemetry.isolation(srv.name, slot.id, "erase_failed", why.value)
+            self.telemetry.isolation(srv.name, slot.id, "erase_failed", why)
             raise BackendUnavailable(
                 f"slot {slot.id} of server {srv.name} holds KV this request may not run on, and erasing it "
                 f"failed ({exc.code})"
             ) from None
         self.pool.erased(slot)
         result.actions.append("erase")
-        self.telemetry.isolation(srv.name, slot.id, "erase", why.value)
+        self.telemetry.isolation(srv.name, slot.id, "erase", why)
 
     def arm(self, srv: ServerRuntime, slot: Slot, held_by: str | None, *, owned_too: bool = False) -> None:
         """A switch may replace what the slot holds: `hand_off` runs `before_replace` right before a

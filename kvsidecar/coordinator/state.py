@@ -198,6 +198,9 @@ class Slot:
     # A cold start kept KV that is not its owner's (left by another session, or a donor's snapshot): until a
     # turn of the owner succeeds on it, the slot is not the owner's to come back to (released otherwise).
     foreign_kv: bool = False
+    # SWA with --swa-full, after a restore: the first tokens of what it holds whose SWA cells the file did not
+    # all hold (a later prompt must extend them, or llama-server reuses a prefix over an incomplete window)
+    window_floor: tuple[int, ...] | None = None
 
     @property
     def free(self) -> bool:

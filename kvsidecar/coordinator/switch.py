@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from functools import partial
 
-from kvsidecar.backend.prompts import PromptTokens
+from kvsidecar.backend.prompts import KnownTokens, PromptTokens
 from kvsidecar.coordinator.checkpoint import CheckpointPolicy
-from kvsidecar.coordinator.plan import PLAIN_CLASS, SWA_FULL, UNKNOWN_CLASS, ModelFacts, rule_of
+from kvsidecar.coordinator.plan import PLAIN_CLASS, R_SWA_WINDOW, SWA_FULL, UNKNOWN_CLASS, ModelFacts, rule_of
 from kvsidecar.coordinator.pool import SlotPool
 from kvsidecar.coordinator.restore import Restorer
 from kvsidecar.coordinator.runtime import RuntimeGuard
@@ -68,6 +68,8 @@ class Switch:
             await self.guard.refresh(srv)
         if slot.owner == rt.key:
             found = self.gate.judge(srv, self.gate.held(slot, incoming, own=True), incoming)
+            if found is Verdict.RUN and not _extends(slot.window_floor, prompt):
+                return await self._isolate(srv, slot, rt, R_SWA_WINDOW)  # wrong KV to go on from: erased
             if found is Verdict.RUN:
                 self.gate.ran(srv, incoming)
                 point = self.restorer.planner.resident_point(  # the prompt's end saved first, or not
@@ -82,6 +84,16 @@ class Switch:
         own, share = self.gate.may_use_own(srv, incoming), self.gate.may_share(srv, incoming)
         await self._change_hands(srv, slot, result, rt, donor, own=own, share=share, prompt=prompt)
         restored = result.outcome is Outcome.RESTORED
+        if (
+            restored
+            and isinstance(prompt, KnownTokens)
+            and result.restored_tokens
+            and not await self._ram_copy_right(srv)
+        ):
+            # the plan proved the prompt extends the restored tokens but at most the last (plan.py)
+            self.pool.floored(slot, tuple(prompt.tokens[: result.restored_tokens - 1]))
+        elif not restored and not _extends(slot.window_floor, prompt):  # kept KV of a restore it leaves
+            await self.gate.erase(srv, slot, R_SWA_WINDOW, result)
         prime = self.restorer.config.restore.share_prefix and await self._ram_copy_right(srv)
         await self.gate.admit(srv, slot, incoming, result, own=restored, prime=prime)
         self.pool.assign(srv, slot, rt.key, rt.scope)
@@ -89,11 +101,13 @@ class Switch:
         return result
 
     async def _isolate(
-        self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, why: Verdict
+        self, srv: ServerRuntime, slot: Slot, rt: SessionRuntime, why: Verdict | str
     ) -> AcquireResult:
-        """A resident session whose own KV its request may not run on (scope.py, rule 3): erased, it starts
-        cold on its own slot (its saved snapshots stay as they are)."""
-        result = AcquireResult(outcome=Outcome.COLD, reason=ISOLATED)
+        """A resident session whose own KV its request may not run on (scope.py, rule 3; or, on SWA with
+        --swa-full, a prompt that leaves a restore's window: `R_SWA_WINDOW`): erased, it starts cold on its
+        own slot (its saved snapshots stay as they are)."""
+        reason = ISOLATED if isinstance(why, Verdict) else why
+        result = AcquireResult(outcome=Outcome.COLD, reason=reason)
         await self.gate.erase(srv, slot, why, result)
         # until a turn of it succeeds here, the empty slot is not its to come back to (its snapshot is)
         self.pool.started_cold(slot, 0, foreign=True, scope=rt.scope)
@@ -158,3 +172,11 @@ class Switch:
                 self.gate.disarm(srv, slot)
         if evicted is not None:  # the evicted session's save commits meanwhile (save.py `overlap`)
             await Saver.wait_commit(evicted)
+
+
+def _extends(floor: tuple[int, ...] | None, prompt: PromptTokens | None) -> bool:
+    """May a prompt run on KV restored under `floor` (None: no such restore)? Only one whose tokens extend it;
+    a prompt whose tokens are not known proves nothing (fail closed)."""
+    if floor is None:
+        return True
+    return isinstance(prompt, KnownTokens) and tuple(prompt.tokens[: len(floor)]) == floor
