@@ -103,6 +103,15 @@ class ServerCosts:
     def prefill_s(self, tokens: int) -> float | None:
         return prefill_time_s(tokens, self.prefill_tokens_per_s.value)
 
+    def figures(self) -> CostFigures:
+        """The learned transfer and prefill figures now, as the start plan reads them (no think times)."""
+        return CostFigures(
+            kv_bytes_per_token=self.kv_bytes_per_token.value,
+            save_bytes_per_s=self.save_bytes_per_s.value,
+            restore_bytes_per_s=self.restore_bytes_per_s.value,
+            prefill_tokens_per_s=self.prefill_tokens_per_s.value,
+        )
+
     def view(self) -> dict[str, Any]:
         def r(e: Ewma) -> float | None:
             return None if e.value is None else round(e.value, 1)

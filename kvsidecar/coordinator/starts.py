@@ -21,7 +21,7 @@ from typing import TypeVar
 
 from kvsidecar.backend.base import PromptTokenizer
 from kvsidecar.backend.prompts import KnownTokens, PromptTokens
-from kvsidecar.coordinator.costs import CostFigures, CostModel
+from kvsidecar.coordinator.costs import CostModel
 from kvsidecar.coordinator.plan import (
     PLAIN_CLASS,
     DonorFacts,
@@ -107,7 +107,7 @@ class Planner:
             scope="",
             model=ModelFacts(kind=memory.kind, swa_full=memory.swa_full),
             prompt=_prompt(prompt),
-            costs=_figures(self.costs, srv.name),
+            costs=self.costs.server(srv.name).figures(),
             flags=Flags(restore_enabled=restore_enabled, oversubscribed=oversubscribed),
         )
         return wants_prompt_point(facts)
@@ -156,7 +156,7 @@ class Planner:
             slot=SlotFacts(scope=slot.scope, empty=slot.tokens == 0, n_tokens=slot.tokens, tokens=None),
             points=points,
             donor=await self._donor(srv, donor) if donor is not None else None,
-            costs=_figures(self.costs, srv.name),
+            costs=self.costs.server(srv.name).figures(),
             flags=Flags(
                 **{
                     **flags.__dict__,
@@ -199,13 +199,3 @@ def _prompt(prompt: PromptTokens | None) -> PromptFacts:
     if isinstance(prompt, KnownTokens):
         return PromptFacts(tokens=prompt.tokens)
     return PromptFacts(unknown=prompt.reason)
-
-
-def _figures(costs: CostModel, server: str) -> CostFigures:
-    live = costs.server(server)
-    return CostFigures(
-        kv_bytes_per_token=live.kv_bytes_per_token.value,
-        save_bytes_per_s=live.save_bytes_per_s.value,
-        restore_bytes_per_s=live.restore_bytes_per_s.value,
-        prefill_tokens_per_s=live.prefill_tokens_per_s.value,
-    )

@@ -84,17 +84,13 @@ class Switch:
         own, share = self.gate.may_use_own(srv, incoming), self.gate.may_share(srv, incoming)
         await self._change_hands(srv, slot, result, rt, donor, own=own, share=share, prompt=prompt)
         restored = result.outcome is Outcome.RESTORED
-        if (
-            restored
-            and isinstance(prompt, KnownTokens)
-            and result.restored_tokens
-            and not await self._ram_copy_right(srv)
-        ):
+        ram_right = await self._ram_copy_right(srv)
+        if restored and isinstance(prompt, KnownTokens) and result.restored_tokens and not ram_right:
             # the plan proved the prompt extends the restored tokens but at most the last (plan.py)
             self.pool.floored(slot, tuple(prompt.tokens[: result.restored_tokens - 1]))
         elif not restored and not _extends(slot.window_floor, prompt):  # kept KV of a restore it leaves
             await self.gate.erase(srv, slot, R_SWA_WINDOW, result)
-        prime = self.restorer.config.restore.share_prefix and await self._ram_copy_right(srv)
+        prime = self.restorer.config.restore.share_prefix and ram_right
         await self.gate.admit(srv, slot, incoming, result, own=restored, prime=prime)
         self.pool.assign(srv, slot, rt.key, rt.scope)
         self.telemetry.loaded(srv.name, slot.id, rt, result)

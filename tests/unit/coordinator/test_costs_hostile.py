@@ -9,18 +9,8 @@ from __future__ import annotations
 import math
 
 from kvsidecar.api.bodies import ReleaseBody
-from kvsidecar.coordinator.costs import CostFigures, CostModel
+from kvsidecar.coordinator.costs import CostModel
 from kvsidecar.coordinator.plan import point_cheap, worth
-
-
-def figures(costs: CostModel, server: str) -> CostFigures:
-    live = costs.server(server)
-    return CostFigures(
-        kv_bytes_per_token=live.kv_bytes_per_token.value,
-        save_bytes_per_s=live.save_bytes_per_s.value,
-        restore_bytes_per_s=live.restore_bytes_per_s.value,
-        prefill_tokens_per_s=live.prefill_tokens_per_s.value,
-    )
 
 
 def test_a_vanishing_prompt_ms_leaves_the_prefill_figure_finite() -> None:
@@ -33,7 +23,7 @@ def test_a_vanishing_prompt_ms_leaves_the_prefill_figure_finite() -> None:
     costs.observe_prefill("s", tokens=5, ms=body.prompt_ms)
     rate = costs.server("s").prefill_tokens_per_s.value
     assert rate is not None and math.isfinite(rate)
-    f = figures(costs, "s")
+    f = costs.server("s").figures()
     assert worth(f, 3000, 3000)  # 30 s of prefill spared by a 3 MB read: still worth it
     assert point_cheap(f, 3000)
 
